@@ -1,0 +1,1 @@
+"""Benchmark harness (installed as ``memzoo.bench``)."""

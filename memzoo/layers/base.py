@@ -1,0 +1,171 @@
+"""The MemoryLayer interface: a token mixer whose fast weights are written from the sequence.
+
+Every layer in the zoo is written in one functional core plus a thin stateful shell:
+
+    init_state(batch_size) -> state          the fast weights at their initial value
+    read_state(x, state)   -> y              retrieve for every position of x; pure
+    write_state(x, state)  -> new state      memorize x; returns new tensors, never in place
+
+The shell keeps the current state on the module and gives the user-facing verbs:
+
+    reset(batch_size=1)    forget: state back to init_state
+    write(x)               memorize x [B, T, D]
+    read(x)                retrieve with the current state, no change
+    forward(x)             causal mixing: per chunk, read with the memory so far, then write
+    state / load_state     the explicit state (a dict of tensors), to carry, save or inspect
+    stats()                diagnostics (norms here; layers add slot usage, gates, ...)
+
+Because writes return fresh tensors, the state is differentiable: during training the
+outer (slow-weight) gradients flow through the writes of the current sequence. The
+backbone calls `detach_state()` where a sequence ends and state is carried on, so the
+graph never grows across optimizer steps.
+
+Two class attributes describe how a layer streams and what a "sequence" means to it:
+
+- ``chunk_size``: None for token-recurrent layers (any split point streams exactly);
+  an int C for chunk-level layers (read the chunk, then write it; splits on multiples
+  of C stream exactly).
+- ``per_sequence``: True when the state has a batch dimension and a new sequence starts
+  from the initial state (LaCT, linear attention). False when one state is shared across
+  the batch and persists across calls (FwPKM and FwMLP as the paper trains them).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+State = dict[str, Tensor]
+
+
+class MemoryLayer(nn.Module):
+    #: registry name, set by @register_layer
+    name: ClassVar[str] = ""
+    #: None = token-recurrent; int = chunk-level read-then-write
+    chunk_size: int | None = None
+    #: True = state per sequence (batch dim, reset at each new sequence); False = shared, persistent
+    per_sequence: bool = True
+    #: True = the layer replaces its block's FFN (PKM) instead of sitting beside the mixer
+    replaces_ffn: ClassVar[bool] = False
+    #: True = `write` binds each position's key to the *next* position's value (lookahead)
+    lookahead: bool = False
+    #: True = writing the same data again improves recall (gradient-style, iterative writes)
+    iterative: ClassVar[bool] = False
+    #: True = forward needs next-token targets, passed as `forward(x, targets=...)` (FWL)
+    needs_targets: ClassVar[bool] = False
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.d_model = d_model
+        self._state: State | None = None
+        self._batch_size = 1
+
+    # ---- the functional core every layer implements ------------------------------------
+    def init_state(self, batch_size: int) -> State:
+        raise NotImplementedError
+
+    def read_state(self, x: Tensor, state: State) -> Tensor:
+        raise NotImplementedError
+
+    def write_state(self, x: Tensor, state: State) -> State:
+        raise NotImplementedError
+
+    def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
+        """Causal mixing of one call. The default is the definition: per chunk, read with
+        the memory so far, then write. Layers override it with a faster parallel form that
+        must give the same result (the shared property suite checks streaming)."""
+        C = self.chunk_size
+        if C is None:  # token-recurrent: chunks of one token
+            C = 1
+        ys = []
+        for s in range(0, x.shape[1], C):
+            xc = x[:, s : s + C]
+            ys.append(self.read_state(xc, state))
+            state = self.write_state(xc, state)
+        return torch.cat(ys, dim=1), state
+
+    # ---- the stateful shell -------------------------------------------------------------
+    def reset(self, batch_size: int = 1) -> None:
+        """Forget: fast weights back to their initial value."""
+        self._batch_size = batch_size
+        self._state = self.init_state(batch_size)
+
+    def _current(self, x: Tensor) -> State:
+        self._check_input(x)
+        if self._state is None:
+            self.reset(x.shape[0] if self.per_sequence else 1)
+        elif self.per_sequence and x.shape[0] != self._batch_size:
+            raise ValueError(
+                f"{type(self).__name__} holds state for batch size {self._batch_size} but got a batch "
+                f"of {x.shape[0]}; call reset(batch_size={x.shape[0]}) first"
+            )
+        return self._state
+
+    def _check_input(self, x: Tensor) -> None:
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"{type(self).__name__} expects x of shape [batch, time, {self.d_model}], got {tuple(x.shape)}"
+            )
+        if not x.is_floating_point():
+            raise TypeError(f"{type(self).__name__} expects a floating-point input, got {x.dtype}")
+
+    def write(self, x: Tensor) -> None:
+        """Memorize x [B, T, D] into the fast weights."""
+        self._state = self.write_state(x, self._current(x))
+
+    def read(self, x: Tensor) -> Tensor:
+        """Retrieve for every position of x from the current fast weights; no state change."""
+        return self.read_state(x, self._current(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y, self._state = self.forward_state(x, self._current(x))
+        return y
+
+    @property
+    def state(self) -> State:
+        """The current fast weights (a dict of tensors; they are never modified in place)."""
+        if self._state is None:
+            self.reset(self._batch_size)
+        return dict(self._state)
+
+    def load_state(self, state: State) -> None:
+        ref = self.init_state(self._batch_size if self.per_sequence else 1)
+        if set(state) != set(ref):
+            raise KeyError(f"{type(self).__name__}.load_state expects keys {sorted(ref)}, got {sorted(state)}")
+        for k, v in state.items():
+            if v.shape[1:] != ref[k].shape[1:] or (not self.per_sequence and v.shape != ref[k].shape):
+                raise ValueError(f"state[{k!r}] has shape {tuple(v.shape)}, expected {tuple(ref[k].shape)}")
+        if self.per_sequence:
+            self._batch_size = next(iter(state.values())).shape[0]
+        self._state = dict(state)
+
+    def detach_state(self) -> None:
+        """Cut the autograd graph behind the state (called where a sequence ends)."""
+        if self._state is not None:
+            self._state = {k: v.detach() for k, v in self._state.items()}
+
+    @torch.no_grad()
+    def stats(self) -> dict:
+        """Diagnostics. The base reports the norm of every fast-weight tensor."""
+        return {f"norm/{k}": v.float().norm().item() for k, v in self.state.items()}
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, chunk_size={self.chunk_size}, per_sequence={self.per_sequence}"
+
+
+def build_layer(name: str, d_model: int, **kwargs) -> MemoryLayer:
+    """Build a registered layer by name; unknown keyword arguments are rejected by name."""
+    import inspect
+
+    from memzoo.registry import get_layer
+
+    cls = get_layer(name)
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        allowed = [k for k in params if k not in ("self", "d_model")]
+        bad = sorted(set(kwargs) - set(allowed))
+        if bad:
+            raise ValueError(f"{cls.name}: unknown option(s) {bad}; valid options: {allowed}")
+    return cls(d_model, **kwargs)
