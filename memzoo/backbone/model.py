@@ -1,0 +1,182 @@
+"""HybridLM: one backbone for every layout, as a Hugging Face causal LM.
+
+Block i (pre-norm residual, Qwen3-Next style; Sec. 4.1 of the FwPKM paper):
+
+    h = h + Mixer_i(RMSNorm(h))                 GDN, SWA or FA (the layout's A+B at 3:1)
+    h = h + Mem(RMSNorm(h))   for each memory   inserted between the mixer and the FFN
+    h = h + FFN_i(RMSNorm(h))                   SwiGLU, or PKM where the layout puts one
+
+Embeddings are tied to the output head (this is what reproduces Table 2's parameter counts).
+
+Streaming and memory: a call with `cache=None` starts new sequences: per-sequence memory
+layers are reset, shared persistent ones (FwPKM as in the paper) keep their fast weights
+but detach them from the previous step's graph. A call with the `cache` returned by the
+previous call (use_cache=True) continues the same sequences exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.utils import ModelOutput
+
+from memzoo.backbone.attention import GatedAttention
+from memzoo.backbone.ffn import RMSNorm, SwiGLU
+from memzoo.backbone.gdn import GatedDeltaNet
+from memzoo.backbone.layout import parse_layout
+from memzoo.config import ModelConfig
+from memzoo.layers.base import MemoryLayer, build_layer
+
+
+class MemzooConfig(PretrainedConfig):
+    """Hugging Face config: the fields of `memzoo.config.ModelConfig`, flat."""
+
+    model_type = "memzoo"
+
+    def __init__(self, **kwargs):
+        fields = ModelConfig.__dataclass_fields__
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+        mc = ModelConfig.from_dict(own)
+        for k, v in mc.to_dict().items():
+            setattr(self, k, v)
+        kwargs.setdefault("tie_word_embeddings", True)
+        super().__init__(**kwargs)
+
+    def to_model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict({k: getattr(self, k) for k in ModelConfig.__dataclass_fields__})
+
+    @classmethod
+    def from_model_config(cls, mc: ModelConfig) -> "MemzooConfig":
+        return cls(**mc.to_dict())
+
+
+def build_mixer(kind: str, c: ModelConfig) -> nn.Module:
+    if kind == "GDN":
+        return GatedDeltaNet(c.d_model, c.gdn_heads, c.gdn_head_dim, c.gdn_conv, c.gdn_chunk, c.norm_eps)
+    window = {"FA": None, "SWA": c.window, "FA-pSWA": c.window}[kind]
+    p = c.p_window if kind == "FA-pSWA" else 1.0
+    return GatedAttention(
+        c.d_model, c.attn_heads, c.attn_kv_heads, c.attn_head_dim, window, p, c.rope_theta, c.norm_eps
+    )
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig, kind: str, memory_names: list[str]):
+        super().__init__()
+        self.kind = kind
+        self.mixer_norm = RMSNorm(c.d_model, c.norm_eps)
+        self.mixer = build_mixer(kind, c)
+        mems = [build_layer(n, c.d_model, **c.memory.get(n, {})) for n in memory_names]
+        ffn_mem = [m for m in mems if m.replaces_ffn]
+        self.mems = nn.ModuleList([m for m in mems if not m.replaces_ffn])
+        self.mem_norms = nn.ModuleList([RMSNorm(c.d_model, c.norm_eps) for _ in self.mems])
+        self.ffn_norm = RMSNorm(c.d_model, c.norm_eps)
+        self.ffn = ffn_mem[0] if ffn_mem else SwiGLU(c.d_model, c.ffn_dim)
+
+    def memories(self) -> list[MemoryLayer]:
+        return [*self.mems, *([self.ffn] if isinstance(self.ffn, MemoryLayer) else [])]
+
+    def forward(self, h: Tensor, cache: dict | None, targets: Tensor | None) -> tuple[Tensor, dict]:
+        y, cache = self.mixer(self.mixer_norm(h), cache)
+        h = h + y
+        for norm, mem in zip(self.mem_norms, self.mems):
+            h = h + (mem(norm(h), targets=targets) if mem.needs_targets else mem(norm(h)))
+        return h + self.ffn(self.ffn_norm(h)), cache
+
+
+@dataclass
+class MemzooOutput(ModelOutput):
+    loss: Tensor | None = None
+    logits: Tensor | None = None
+    cache: list | None = None
+
+
+class HybridLM(PreTrainedModel):
+    config_class = MemzooConfig
+    base_model_prefix = "memzoo"
+    main_input_name = "input_ids"
+    _supports_cache_class = False
+
+    def __init__(self, config: MemzooConfig | ModelConfig):
+        if isinstance(config, ModelConfig):
+            config = MemzooConfig.from_model_config(config)
+        super().__init__(config)
+        c = config.to_model_config()
+        self.layout = parse_layout(c.layout, c.n_layers)
+        self.embed = nn.Embedding(c.vocab_size, c.d_model)
+        self.blocks = nn.ModuleList(
+            [Block(c, kind, self.layout.memories_at(i)) for i, kind in enumerate(self.layout.mixers)]
+        )
+        self.norm = RMSNorm(c.d_model, c.norm_eps)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.post_init()
+
+    @classmethod
+    def from_layout(cls, layout: str, **overrides) -> "HybridLM":
+        """`HybridLM.from_layout("GDN+SWA | FwPKM@2,6,10", d_model=256, n_layers=4, ...)`."""
+        return cls(ModelConfig.from_dict({"layout": layout, **overrides}))
+
+    def _init_weights(self, module):
+        # every module initialises itself in __init__; weights loaded by from_pretrained overwrite it
+        pass
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def set_input_embeddings(self, value):
+        self.embed = value
+
+    def memories(self) -> list[MemoryLayer]:
+        return [m for b in self.blocks for m in b.memories()]
+
+    def reset_memory(self, batch_size: int = 1) -> None:
+        """Forget everything: every memory layer back to its initial fast weights."""
+        for m in self.memories():
+            m.reset(batch_size)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        targets: Tensor | None = None,
+        labels: Tensor | None = None,
+        cache: list | None = None,
+        use_cache: bool = False,
+        **unused,
+    ) -> MemzooOutput:
+        """targets[b, t] is the token after input_ids[b, t] (-100 = ignore). `labels` is the
+        Hugging Face form (same positions as input_ids, shifted here)."""
+        if input_ids.dtype not in (torch.long, torch.int):
+            raise TypeError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+        B = input_ids.shape[0]
+        if targets is None and labels is not None:
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        for m in self.memories():
+            if cache is None and m.per_sequence:
+                m.reset(B)  # a new sequence
+            else:
+                m.detach_state()  # continue from the fast weights, not from the last step's graph
+        h = self.embed(input_ids)
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            h, c = block(h, None if cache is None else cache[i], targets)
+            new_cache.append(c)
+        logits = F.linear(self.norm(h), self.embed.weight)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        return MemzooOutput(loss=loss, logits=logits, cache=new_cache if use_cache else None)
+
+
+AutoConfig.register("memzoo", MemzooConfig)
+AutoModelForCausalLM.register(MemzooConfig, HybridLM)
+
+
+def count_params(mc: ModelConfig) -> int:
+    """Parameters of a model built on the meta device (no memory is allocated)."""
+    with torch.device("meta"):
+        model = HybridLM(mc)
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,186 @@
+"""Backbone: layout strings, mixers, streaming, Hugging Face round trip, configs."""
+
+import pytest
+import torch
+
+from memzoo.backbone import HybridLM, LayoutError, parse_layout
+from memzoo.backbone.attention import GatedAttention
+from memzoo.backbone.gdn import GatedDeltaNet
+from memzoo.config import ConfigError, ModelConfig, load_config
+
+TINY = dict(vocab_size=67, d_model=32, n_layers=4, ffn_dim=64, attn_heads=4, attn_kv_heads=2, attn_head_dim=8,
+            window=6, gdn_heads=2, gdn_head_dim=16, gdn_chunk=8)
+
+
+# ---- layout strings -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text, mixers",
+    [
+        ("GDN", ["GDN"] * 12),
+        ("GDN+SWA", ["GDN", "GDN", "GDN", "SWA"] * 3),
+        ("GDN+FA", ["GDN", "GDN", "GDN", "FA"] * 3),
+        ("FA", ["FA"] * 12),
+        ("FA-pSWA", ["FA-pSWA"] * 12),
+        ("gdn + fa-pswa", ["GDN", "GDN", "GDN", "FA-pSWA"] * 3),
+    ],
+)
+def test_paper_mixer_layouts_parse(text, mixers):
+    assert list(parse_layout(text, 12).mixers) == mixers
+
+
+def test_memory_positions_parse():
+    lay = parse_layout("GDN+SWA | linear@2,6,10", 12)
+    assert lay.memories == (("linear", (2, 6, 10)),)
+    assert lay.memories_at(6) == ["linear"] and lay.memories_at(3) == []
+    assert parse_layout("GDN | linear@all", 4).memories == (("linear", (0, 1, 2, 3)),)
+    assert parse_layout("GDN | linear@last", 4).memories == (("linear", (3,)),)
+    assert parse_layout("GDN | Linear@1 + linear@3", 4).memories == (("linear", (1,)), ("linear", (3,)))
+
+
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("XYZ", "unknown token mixer 'XYZ'"),
+        ("GDN+", "empty token mixer"),
+        ("GDN+SWA+FA", "at most two"),
+        ("GDN+GDN", "with itself"),
+        ("GDN | ", "nothing after '|'"),
+        ("GDN || linear@2", "more than one '|'"),
+        ("GDN | linear@", "positions '' of 'linear'"),
+        ("GDN | linear@x", "positions 'x'"),
+        ("GDN | linear@12", "linear@12 is out of range"),
+        ("GDN | linear@2,2", "repeat"),
+        ("GDN | nosuchlayer@2", "unknown memory layer 'nosuchlayer'"),
+        ("GDN | linear", "needs positions"),
+        ("GDN | linear@-1", "positions '-1'"),
+        ("GDN | 3linear@2", "cannot read memory item"),
+    ],
+)
+def test_malformed_layouts_give_one_line_errors(bad, needle):
+    with pytest.raises(LayoutError) as e:
+        parse_layout(bad, 12)
+    msg = str(e.value)
+    assert "\n" not in msg and needle in msg, msg
+    assert repr(bad) in msg  # the message quotes the layout it rejects
+
+
+# ---- mixers stream exactly ----------------------------------------------------------------
+def _split_equal(mixer, x, a):
+    full, _ = mixer(x)
+    y1, c = mixer(x[:, :a])
+    y2, _ = mixer(x[:, a:], c)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("a", [1, 5, 8, 13])
+def test_gdn_mixer_streams(a):
+    torch.manual_seed(0)
+    _split_equal(GatedDeltaNet(32, num_heads=2, head_dim=16, chunk_size=8), torch.randn(2, 21, 32), a)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("a", [1, 7, 13])
+def test_attention_streams(window, a):
+    torch.manual_seed(0)
+    _split_equal(GatedAttention(32, 4, 2, 8, window=window), torch.randn(2, 21, 32), a)
+
+
+def test_swa_is_local_and_fa_is_not():
+    torch.manual_seed(0)
+    swa, fa = GatedAttention(32, 4, 2, 8, window=4), GatedAttention(32, 4, 2, 8)
+    fa.load_state_dict(swa.state_dict())
+    x = torch.randn(1, 12, 32)
+    x2 = x.clone()
+    x2[:, 0] += 1.0  # perturb token 0: outside the window of the last query
+    assert torch.allclose(swa(x)[0][:, -1], swa(x2)[0][:, -1])
+    assert not torch.allclose(fa(x)[0][:, -1], fa(x2)[0][:, -1])
+
+
+def test_pswa_draws_only_in_training():
+    att = GatedAttention(32, 4, 2, 8, window=4, p_window=0.5)
+    att.eval()
+    assert att._window_now() is None
+    att.train()
+    torch.manual_seed(0)
+    draws = {att._window_now() for _ in range(50)}
+    assert draws == {None, 4}
+
+
+# ---- the model ------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["GDN", "GDN+SWA | linear@1,3", "FA", "FA-pSWA | linear@all"])
+def test_model_streams_across_calls(layout):
+    torch.manual_seed(0)
+    model = HybridLM.from_layout(layout, **TINY).eval()
+    ids = torch.randint(0, 67, (2, 20))
+    full = model(ids).logits
+    out1 = model(ids[:, :9], use_cache=True)
+    out2 = model(ids[:, 9:], cache=out1.cache, use_cache=True)
+    torch.testing.assert_close(torch.cat([out1.logits, out2.logits], 1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_new_sequence_resets_per_sequence_memory():
+    torch.manual_seed(0)
+    model = HybridLM.from_layout("GDN | linear@1", **TINY).eval()
+    ids = torch.randint(0, 67, (1, 10))
+    a = model(ids).logits
+    model(torch.randint(0, 67, (1, 10)))  # an unrelated sequence in between
+    torch.testing.assert_close(model(ids).logits, a)
+
+
+def test_loss_and_gradients_reach_every_parameter():
+    torch.manual_seed(0)
+    model = HybridLM.from_layout("GDN+SWA | linear@2", **TINY)
+    ids = torch.randint(0, 67, (2, 16))
+    out = model(ids[:, :-1], targets=ids[:, 1:])
+    out.loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing
+    # the Hugging Face `labels` form gives the same loss
+    lab = model(ids[:, :-1], labels=ids[:, :-1])
+    ref = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:-1].flatten())
+    torch.testing.assert_close(lab.loss, ref)
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = HybridLM.from_layout("GDN+SWA | linear@1,3", **TINY).eval()
+    ids = torch.randint(0, 67, (2, 12))
+    ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    cfg = AutoConfig.from_pretrained(tmp_path)
+    assert cfg.layout == "GDN+SWA | linear@1,3" and cfg.model_type == "memzoo"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, HybridLM)
+    assert torch.equal(loaded(ids).logits, ref)
+
+
+def test_configs_reject_unknown_keys(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'd_model'"):
+        ModelConfig.from_dict({"dmodel": 3})
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  layout: GDN\ntrain:\n  stpes: 3\n")
+    with pytest.raises(ConfigError, match="'stpes'.*did you mean 'steps'"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="shipped configs"):
+        load_config("paper/nope")
+    with pytest.raises(ValueError, match="unknown option"):
+        HybridLM.from_layout("GDN | linear@1", **{**TINY, "memory": {"linear": {"no_such_option": 1}}})
+
+
+def test_wrong_input_dtype_is_explained():
+    model = HybridLM.from_layout("GDN", **TINY)
+    with pytest.raises(TypeError, match="integer token ids"):
+        model(torch.randn(1, 4))
+
+
+def test_paper_params_match_table2():
+    from memzoo.backbone import count_params
+
+    for name, ref in [("paper/gdn", 112.11), ("paper/gdn-swa", 112.65), ("paper/gdn-fa", 112.65), ("paper/fa", 114.25)]:
+        rc = load_config(name)
+        assert rc.paper["params_m"] == ref
+        assert abs(count_params(rc.model) / 1e6 - ref) / ref < 0.005
