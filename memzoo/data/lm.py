@@ -1,0 +1,207 @@
+"""Language-model data: tokenised documents, reproducible training batches, sequential chunks.
+
+* :func:`tokenize_corpus` -- one 1-D ``LongTensor`` per document, EOS appended, cached on disk.
+* :class:`LMStream` -- random training windows; batch ``step`` is a pure function of
+  ``(seed, step, batch_size)``, so a resumed run sees exactly the batches it would have seen.
+* :func:`sequential_chunks` -- consecutive non-overlapping windows of each document in order,
+  for perplexity with recurrent / fast-weight state carried across a document's sequences.
+* :func:`unigram_entropy`, :func:`unigram_cross_entropy` -- the reference a model must beat.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from memzoo.data.corpora import cache_dir
+from memzoo.data.tokenizers import Tokenizer
+
+__all__ = [
+    "LMStream",
+    "sequential_chunks",
+    "tokenize_corpus",
+    "unigram_cross_entropy",
+    "unigram_entropy",
+]
+
+_TOKEN_CACHE_VERSION = 1
+
+
+def _corpus_digest(ds) -> str:
+    """SHA-1 of the corpus' ``doc_id``/``text`` columns: the corpus half of the cache key."""
+    h = hashlib.sha1()
+    ids = ds["doc_id"] if "doc_id" in ds.column_names else range(len(ds))
+    for doc_id, text in zip(ids, ds["text"]):
+        data = text.encode("utf-8")
+        h.update(f"{doc_id}:{len(data)}:".encode())
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def tokenize_corpus(ds, tok: Tokenizer, *, cache: bool = True) -> list[torch.Tensor]:
+    """Tokenise every document of ``ds`` (column ``text``) and append ``tok.eos_id`` to each.
+
+    Returns one 1-D ``torch.long`` tensor per row, in row order. Results are cached at
+    ``$MEMZOO_CACHE/tokens/<tokenizer>-<corpus sha1>.pt`` (written atomically), keyed by the
+    corpus text and ``tok.fingerprint``, so a second call on the same corpus is a file load.
+    Pass ``cache=False`` to skip the disk cache.
+    """
+    path = None
+    if cache:
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "_", tok.fingerprint)[:120]
+        path = cache_dir("tokens") / f"v{_TOKEN_CACHE_VERSION}-{safe}-{_corpus_digest(ds)}.pt"
+        if path.exists():
+            try:
+                blob = torch.load(path, map_location="cpu", weights_only=True)
+                flat, lengths = blob["flat"].long(), blob["lengths"].tolist()
+                return list(torch.split(flat, lengths))
+            except Exception:  # corrupt or old-format file: rebuild it below
+                pass
+    eos = torch.tensor([tok.eos_id], dtype=torch.long)
+    docs = [torch.cat([tok.encode_tensor(text), eos]) for text in ds["text"]]
+    if path is not None:
+        flat = torch.cat(docs) if docs else torch.empty(0, dtype=torch.long)
+        dtype = torch.int32 if tok.vocab_size < 2**31 else torch.long
+        lengths = torch.tensor([len(d) for d in docs], dtype=torch.long)
+        _atomic_torch_save({"flat": flat.to(dtype), "lengths": lengths}, path)
+    return docs
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """A 63-bit generator seed that depends only on ``(seed, step)``."""
+    digest = hashlib.blake2b(f"memzoo-lmstream:{seed}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class LMStream:
+    """Random fixed-length training windows over the concatenation of documents.
+
+    Documents (each already ending in EOS, as from :func:`tokenize_corpus`) are concatenated
+    in order; :meth:`batch` draws ``batch_size`` windows of ``seq_len + 1`` tokens at
+    uniformly random offsets using a ``torch.Generator`` seeded from ``(seed, step)`` only.
+    Windows may straddle a document boundary (the EOS token marks it).
+
+    Args:
+        docs: 1-D integer tensors, one per document.
+        seq_len: tokens per training sequence ``T``.
+        seed: base seed of the stream.
+    """
+
+    def __init__(self, docs: Sequence[torch.Tensor], seq_len: int, seed: int = 0):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if len(docs) == 0:
+            raise ValueError("LMStream needs at least one document")
+        self.tokens = torch.cat([d.reshape(-1).long() for d in docs])
+        if self.tokens.numel() < seq_len + 1:
+            raise ValueError(
+                f"corpus has {self.tokens.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+            )
+        self.seq_len = int(seq_len)
+        self.seed = int(seed)
+        self._offsets = torch.arange(self.seq_len + 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch number ``step``: ``(x, y)``, both ``LongTensor[batch_size, seq_len]``, ``y`` = ``x`` shifted by one.
+
+        Depends only on ``(seed, step, batch_size)`` and the tokens, never on earlier calls.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        g = torch.Generator().manual_seed(_step_seed(self.seed, step))
+        n_starts = self.num_tokens - self.seq_len  # valid starts: 0 .. N - T - 1
+        starts = torch.randint(0, n_starts, (batch_size,), generator=g)
+        windows = self.tokens[starts[:, None] + self._offsets]
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def sequential_chunks(
+    docs: Sequence[torch.Tensor],
+    seq_len: int,
+    doc_ids: Sequence[int] | None = None,
+    drop_last: bool = False,
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, bool]]:
+    """Yield ``(doc_id, x, y, is_first_of_doc)`` over documents in order.
+
+    Document ``d`` with tokens ``t[0..n-1]`` gives windows ``x = t[kT : kT+T]``,
+    ``y = t[kT+1 : kT+T+1]`` for ``k = 0, 1, ...``: consecutive, non-overlapping, and together
+    predicting every token ``t[1..n-1]`` exactly once (``t[0]`` has no context in the document).
+    The last window of a document is shorter than ``T`` unless ``drop_last`` drops it.
+    ``x`` and ``y`` are 1-D ``LongTensor``\\ s; ``is_first_of_doc`` tells the caller to reset
+    carried state. ``doc_ids`` defaults to ``0..len(docs)-1``.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if doc_ids is None:
+        doc_ids = range(len(docs))
+    if len(doc_ids) != len(docs):
+        raise ValueError(f"got {len(doc_ids)} doc_ids for {len(docs)} docs")
+    for doc_id, doc in zip(doc_ids, docs):
+        doc = doc.reshape(-1).long()
+        n_pred = doc.numel() - 1
+        first = True
+        for start in range(0, max(n_pred, 0), seq_len):
+            end = min(start + seq_len, n_pred)
+            if drop_last and end - start < seq_len:
+                break
+            yield int(doc_id), doc[start:end], doc[start + 1 : end + 1], first
+            first = False
+
+
+def _counts(tokens, vocab_size: int) -> torch.Tensor:
+    if isinstance(tokens, (list, tuple)):
+        tokens = torch.cat([t.reshape(-1) for t in tokens]) if tokens else torch.empty(0)
+    tokens = tokens.reshape(-1).long()
+    if tokens.numel() == 0:
+        raise ValueError("no tokens")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{int(tokens.min())}, {int(tokens.max())}]")
+    return torch.bincount(tokens, minlength=vocab_size).double()
+
+
+def unigram_entropy(tokens, vocab_size: int) -> float:
+    """Entropy in nats/token of the empirical unigram distribution of ``tokens``.
+
+    ``tokens`` is a tensor or a list of tensors. A model that has learned nothing beyond
+    token frequencies reaches this loss; a trained LM must get below it.
+    """
+    c = _counts(tokens, vocab_size)
+    p = c[c > 0] / c.sum()
+    return float(-(p * p.log()).sum())
+
+
+def unigram_cross_entropy(train_tokens, eval_tokens, vocab_size: int, alpha: float = 1.0) -> float:
+    """Cross-entropy (nats/token) of ``eval_tokens`` under the add-``alpha`` unigram of ``train_tokens``.
+
+    The held-out version of :func:`unigram_entropy`: the loss of a frequency-only model on
+    validation data.
+    """
+    c_train = _counts(train_tokens, vocab_size)
+    c_eval = _counts(eval_tokens, vocab_size)
+    logp = torch.log((c_train + alpha) / (c_train.sum() + alpha * vocab_size))
+    if not math.isfinite(float(logp[c_eval > 0].min())):
+        raise ValueError("eval tokens unseen in training need alpha > 0")
+    return float(-(c_eval * logp.where(c_eval > 0, torch.zeros_like(logp))).sum() / c_eval.sum())

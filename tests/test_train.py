@@ -1,0 +1,61 @@
+"""Training: schedule shape, real-text training reduces loss, and resume after a kill is exact."""
+
+import math
+
+import pytest
+import torch
+
+from memzoo.config import ModelConfig, RunConfig, TrainConfig
+from memzoo.train import lr_at, train
+
+
+def _rc(tmp_path, **train_kw) -> RunConfig:
+    model = ModelConfig(layout="GDN+SWA | linear@1", vocab_size=257, d_model=32, n_layers=2, ffn_dim=64,
+                        attn_heads=2, attn_kv_heads=1, attn_head_dim=16, window=16, gdn_heads=2, gdn_head_dim=16,
+                        gdn_chunk=16)
+    tc = dict(seq_len=32, batch_size=4, steps=8, warmup=2, lr=3e-3, min_lr=3e-4, eval_every=4, eval_batches=2,
+              ckpt_every=2, out_dir=str(tmp_path / "run"))
+    tc.update(train_kw)
+    return RunConfig(model, TrainConfig(**tc))
+
+
+def test_schedule_warmup_then_cosine_to_min():
+    tc = TrainConfig(lr=1e-3, min_lr=1e-4, warmup=10, steps=110)
+    lrs = [lr_at(s, tc) for s in range(110)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # monotone decay after warmup
+    assert lr_at(110, tc) == pytest.approx(1e-4)
+    assert lr_at(60, tc) == pytest.approx(1e-4 + 0.5 * 9e-4)
+
+
+def test_kill_and_resume_gives_the_same_next_step_loss(tmp_path):
+    torch.manual_seed(0)
+    full = train(_rc(tmp_path / "a"), progress=False)["history"]
+    # "kill" after 5 steps: the last checkpoint is at step 4, step 5 is lost as in a real kill
+    killed = train(_rc(tmp_path / "b"), stop_after=5, progress=False)
+    assert killed["killed"] and killed["step"] == 5
+    resumed = train(_rc(tmp_path / "b"), resume=True, progress=False)["history"]
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    for a, b in zip(full, resumed):
+        assert a["loss"] == b["loss"], (a, b)  # bit-exact, every step including the one after resume
+    assert full[-1]["val_loss"] == resumed[-1]["val_loss"]
+
+
+def test_resume_refuses_another_config(tmp_path):
+    train(_rc(tmp_path, steps=2), progress=False)
+    with pytest.raises(ValueError, match="different config"):
+        train(_rc(tmp_path, steps=2, lr=1e-2), resume=True, progress=False)
+
+
+def test_training_on_real_text_beats_unigram(tmp_path):
+    r = train(_rc(tmp_path, steps=200, eval_every=200, batch_size=8, seq_len=64, lr=1e-2, warmup=10), progress=False)
+    assert math.isfinite(r["val_loss"])
+    assert r["history"][-1]["loss"] < r["history"][0]["loss"] - 1.0
+    assert r["val_loss"] < r["unigram_entropy"]
+
+
+def test_vocab_too_small_is_explained(tmp_path):
+    rc = _rc(tmp_path)
+    rc.model.vocab_size = 100
+    with pytest.raises(ValueError, match="vocab_size >= 257"):
+        train(rc, progress=False)
