@@ -94,9 +94,9 @@ def prepare_data(rc: RunConfig):
             f"model.vocab_size={rc.model.vocab_size} is smaller than tokenizer {tc.tokenizer!r}'s "
             f"vocabulary ({tok.vocab_size}); set model.vocab_size >= {tok.vocab_size}"
         )
-    train_ds, val_ds = split_documents(load_corpus(tc.corpus), seed=tc.seed)
-    train_docs = tokenize_corpus(train_ds, tok)
-    val_docs = tokenize_corpus(val_ds, tok)
+    splits = split_documents(load_corpus(tc.corpus), seed=tc.seed)
+    train_docs = tokenize_corpus(splits["train"], tok)
+    val_docs = tokenize_corpus(splits["validation"], tok)
     stream = LMStream(train_docs, tc.seq_len, seed=tc.seed)
     val_stream = LMStream(val_docs, tc.seq_len, seed=10_000 + tc.seed)
     val_batches = [val_stream.batch(i, tc.batch_size) for i in range(tc.eval_batches)]

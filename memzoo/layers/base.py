@@ -20,11 +20,15 @@ outer (slow-weight) gradients flow through the writes of the current sequence. T
 backbone calls `detach_state()` where a sequence ends and state is carried on, so the
 graph never grows across optimizer steps.
 
-Two class attributes describe how a layer streams and what a "sequence" means to it:
+Three class attributes describe how a layer streams and what a "sequence" means to it:
 
 - ``chunk_size``: None for token-recurrent layers (any split point streams exactly);
   an int C for chunk-level layers (read the chunk, then write it; splits on multiples
   of C stream exactly).
+- ``inclusive``: False (the default) means forward reads with the memory *so far* and then
+  writes, chunk by chunk (FwPKM, LaCT: a chunk never sees its own write). True means
+  forward writes each token and then reads it, the usual form of token mixers such as
+  linear attention, where position t must see its own value. `read` alone never writes.
 - ``per_sequence``: True when the state has a batch dimension and a new sequence starts
   from the initial state (LaCT, linear attention). False when one state is shared across
   the batch and persists across calls (FwPKM and FwMLP as the paper trains them).
@@ -47,6 +51,8 @@ class MemoryLayer(nn.Module):
     chunk_size: int | None = None
     #: True = state per sequence (batch dim, reset at each new sequence); False = shared, persistent
     per_sequence: bool = True
+    #: True = forward writes each token/chunk before reading it (token mixers); False = read, then write
+    inclusive: ClassVar[bool] = False
     #: True = the layer replaces its block's FFN (PKM) instead of sitting beside the mixer
     replaces_ffn: ClassVar[bool] = False
     #: True = `write` binds each position's key to the *next* position's value (lookahead)
@@ -73,24 +79,27 @@ class MemoryLayer(nn.Module):
         raise NotImplementedError
 
     def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
-        """Causal mixing of one call. The default is the definition: per chunk, read with
-        the memory so far, then write. Layers override it with a faster parallel form that
-        must give the same result (the shared property suite checks streaming)."""
-        C = self.chunk_size
-        if C is None:  # token-recurrent: chunks of one token
-            C = 1
+        """Causal mixing of one call. The default is the definition: per chunk (or token),
+        read with the memory so far then write, or write then read if `inclusive`. Layers
+        override it with a faster parallel form that must give the same result (the shared
+        property suite checks this and streaming)."""
+        C = self.chunk_size or 1  # token-recurrent: chunks of one token
         ys = []
         for s in range(0, x.shape[1], C):
             xc = x[:, s : s + C]
-            ys.append(self.read_state(xc, state))
-            state = self.write_state(xc, state)
+            if self.inclusive:
+                state = self.write_state(xc, state)
+                ys.append(self.read_state(xc, state))
+            else:
+                ys.append(self.read_state(xc, state))
+                state = self.write_state(xc, state)
         return torch.cat(ys, dim=1), state
 
     # ---- the stateful shell -------------------------------------------------------------
     def reset(self, batch_size: int = 1) -> None:
         """Forget: fast weights back to their initial value."""
         self._batch_size = batch_size
-        self._state = self.init_state(batch_size)
+        self._state = self.init_state(batch_size if self.per_sequence else 1)
 
     def _current(self, x: Tensor) -> State:
         self._check_input(x)
@@ -110,6 +119,13 @@ class MemoryLayer(nn.Module):
             )
         if not x.is_floating_point():
             raise TypeError(f"{type(self).__name__} expects a floating-point input, got {x.dtype}")
+        p = next(self.parameters(), None)
+        mismatch = p is not None and (p.device != x.device or (p.dtype != x.dtype and not torch.is_autocast_enabled()))
+        if mismatch and p.device.type != "meta":
+            raise TypeError(
+                f"{type(self).__name__} has parameters of {p.dtype} on {p.device} but got x of {x.dtype} on "
+                f"{x.device}; move one to match, e.g. layer.to(x.device, x.dtype)"
+            )
 
     def write(self, x: Tensor) -> None:
         """Memorize x [B, T, D] into the fast weights."""

@@ -1,0 +1,199 @@
+"""Causal linear attention with an optional per-head scalar decay (pure torch).
+
+This is the fast-weight recurrence shared by the linear-attention / fast-weight-programmer
+layer (Schlag et al. 2021), retention-style decayed variants, and Ba et al.'s fast weights:
+
+    S_t = λ_t S_{t-1} + k_t v_tᵀ                 (write: outer-product update, decay λ_t ∈ (0, 1])
+    o_t = q_tᵀ S_t                                (read: inclusive — position t sees its own write)
+
+with, per batch element and head, ``S_t ∈ R^{K×V}``. Inputs are given in "feature space":
+any feature map (elu+1, L2-normalisation, ...) has already been applied to ``q`` and ``k``.
+The decay is passed as its logarithm, ``log_decay = log λ_t ≤ 0`` (``None`` means λ_t = 1,
+plain linear attention), so products of decays are sums of logs and never underflow to
+0/0 in the parallel form.
+
+Shapes (B batch, T time, H heads, K key dim, V value dim):
+
+    q, k         [B, T, H, K]
+    v            [B, T, H, V]
+    log_decay    [B, T, H] or None
+    state        [B, H, K, V]     (initial_state may be None = zeros)
+
+Three entry points, all returning new tensors (never in place), differentiable:
+
+- :func:`linear_attention_recurrent` — the reference: a Python loop over t, the equations verbatim.
+- :func:`linear_attention_chunked` — the parallel form used in practice. With the cumulative
+  log decay inside a chunk, ``b_t = Σ_{s≤t} log λ_s``,
+
+      o_t = exp(b_t) q_tᵀ S_0  +  Σ_{s≤t} exp(b_t − b_s) (q_t·k_s) v_s          (inter + intra chunk)
+      S_C = exp(b_C) S_0       +  Σ_{s≤C} exp(b_C − b_s) k_s v_sᵀ               (state carried on)
+
+  intra-chunk terms are a masked ``q kᵀ`` matrix times a decay matrix; the state is carried
+  across chunks by a short loop over ``T / chunk_size`` chunks.
+- :func:`linear_attention_final_state` — only ``S_T`` (what a pure ``write`` needs), one einsum.
+
+A normalised read (Katharopoulos et al. 2020, ``o_t = q_tᵀS_t / q_tᵀz_t`` with
+``z_t = λ_t z_{t-1} + k_t``) is obtained by appending a column of ones to ``v``: the last
+column of the state is then ``z`` and the last output column is the denominator.
+
+Computation runs in at least float32 (half-precision inputs are upcast); outputs are cast
+back to the input dtype, states are returned in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "linear_attention_recurrent",
+    "linear_attention_chunked",
+    "linear_attention_final_state",
+]
+
+
+def _check(q: Tensor | None, k: Tensor, v: Tensor, log_decay: Tensor | None, initial_state: Tensor | None):
+    if k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"k and v must be [B, T, H, K] and [B, T, H, V]; got {tuple(k.shape)} and {tuple(v.shape)}")
+    B, T, H, K = k.shape
+    if q is not None and q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
+    if log_decay is not None and log_decay.shape != (B, T, H):
+        raise ValueError(f"log_decay must be [B, T, H] = [{B}, {T}, {H}] or None; got {tuple(log_decay.shape)}")
+    V = v.shape[-1]
+    if initial_state is not None and initial_state.shape != (B, H, K, V):
+        raise ValueError(
+            f"initial_state must be [B, H, K, V] = [{B}, {H}, {K}, {V}] or None; got {tuple(initial_state.shape)}"
+        )
+    return B, T, H, K, V
+
+
+def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
+    dt = torch.float32
+    for t in ts:
+        if t is not None:
+            dt = torch.promote_types(dt, t.dtype)
+    return dt
+
+
+def linear_attention_recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor | None = None,
+    initial_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Reference recurrence, one token at a time: ``S_t = λ_t S_{t-1} + k_t v_tᵀ; o_t = q_tᵀ S_t``.
+
+    Returns ``(o [B, T, H, V], final_state [B, H, K, V])``.
+    """
+    B, T, H, K, V = _check(q, k, v, log_decay, initial_state)
+    dt = _compute_dtype(q, k, v, log_decay, initial_state)
+    out_dtype = v.dtype
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    outs = []
+    for t in range(T):
+        if log_decay is not None:
+            S = log_decay[:, t].to(dt).exp()[..., None, None] * S
+        S = S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
+    return o.to(out_dtype), S
+
+
+def linear_attention_final_state(
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor | None = None,
+    initial_state: Tensor | None = None,
+) -> Tensor:
+    """Only the state after the whole sequence (a pure write):
+
+        S_T = exp(b_T) S_0 + Σ_s exp(b_T − b_s) k_s v_sᵀ,   b_t = Σ_{r≤t} log λ_r.
+
+    Every exponent is ≤ 0, so this is stable for any T. Returns ``[B, H, K, V]``.
+    """
+    B, T, H, K, V = _check(None, k, v, log_decay, initial_state)
+    dt = _compute_dtype(k, v, log_decay, initial_state)
+    k, v = k.to(dt), v.to(dt)
+    if log_decay is None:
+        S = torch.einsum("bthk,bthv->bhkv", k, v)
+        if initial_state is not None:
+            S = initial_state.to(dt) + S
+        return S
+    b = log_decay.to(dt).cumsum(dim=1)  # [B, T, H]
+    b_T = b[:, -1:] if T > 0 else b.new_zeros(B, 1, H)
+    w = (b_T - b).exp()  # exp(b_T - b_s) in (0, 1]
+    S = torch.einsum("bthk,bth,bthv->bhkv", k, w, v)
+    if initial_state is not None:
+        S = b_T[:, 0].exp()[..., None, None] * initial_state.to(dt) + S
+    return S
+
+
+def linear_attention_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """Chunked parallel form; equal to :func:`linear_attention_recurrent` up to rounding.
+
+    Within a chunk of length C (positions t, s relative to the chunk start, b = cumulative
+    log decay inside the chunk):
+
+        o_t = exp(b_t) q_tᵀ S_0 + Σ_{s≤t} exp(b_t − b_s) (q_t·k_s) v_s
+        S_C = exp(b_C) S_0      + Σ_s exp(b_C − b_s) k_s v_sᵀ
+
+    T need not be a multiple of ``chunk_size``: the tail is padded with k = v = 0 and
+    λ = 1, which leaves the state unchanged. Returns ``(o [B, T, H, V], final_state [B, H, K, V])``.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    B, T, H, K, V = _check(q, k, v, log_decay, initial_state)
+    dt = _compute_dtype(q, k, v, log_decay, initial_state)
+    out_dtype = v.dtype
+    S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
+    if T == 0:
+        return v.new_zeros(B, 0, H, V), S
+    C = min(chunk_size, T)
+    N = -(-T // C)
+    pad = N * C - T
+
+    def prep(x: Tensor) -> Tensor:  # [B, T, H, *] -> [B, H, N, C, *]
+        x = x.to(dt)
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+        return x.reshape(B, N, C, H, *x.shape[3:]).transpose(1, 3).transpose(2, 3)
+
+    qc, kc, vc = prep(q), prep(k), prep(v)  # [B, H, N, C, K|V]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    attn = qc @ kc.transpose(-1, -2)  # [B, H, N, C, C]
+    if log_decay is not None:
+        ld = log_decay.to(dt)
+        if pad:
+            ld = torch.nn.functional.pad(ld, (0, 0, 0, pad))  # λ = 1 on padding
+        b = ld.reshape(B, N, C, H).permute(0, 3, 1, 2).cumsum(dim=-1)  # [B, H, N, C]
+        diff = b[..., :, None] - b[..., None, :]  # b_t - b_s
+        attn = attn * diff.masked_fill(~causal, float("-inf")).exp()
+        q_in = qc * b[..., None].exp()  # exp(b_t) q_t: reads the chunk's initial state
+        k_out = kc * (b[..., -1:] - b)[..., None].exp()  # exp(b_C - b_s) k_s: writes the state
+        chunk_decay = b[..., -1].exp()  # exp(b_C) [B, H, N]
+    else:
+        attn = attn.masked_fill(~causal, 0.0)
+        q_in, k_out, chunk_decay = qc, kc, None
+    o_intra = attn @ vc  # [B, H, N, C, V]
+    kv = k_out.transpose(-1, -2) @ vc  # per-chunk write Σ_s exp(b_C - b_s) k_s v_sᵀ: [B, H, N, K, V]
+
+    o_inter = []
+    for n in range(N):
+        o_inter.append(q_in[:, :, n] @ S)  # [B, H, C, V]
+        S = S if chunk_decay is None else chunk_decay[:, :, n, None, None] * S
+        S = S + kv[:, :, n]
+    o = o_intra + torch.stack(o_inter, dim=2)  # [B, H, N, C, V]
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.to(out_dtype), S
