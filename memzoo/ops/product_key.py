@@ -1,0 +1,74 @@
+"""Product-key addressing (Lample et al. 2019; FwPKM paper Sec. 2 and Eqs. 27-32), shared by
+PKM and FwPKM.
+
+N = n² slots sit on an n × n grid. A query is split in two halves (Eq. 5/27); each half is
+scored against its own n sub-keys (dot product, Eq. 6, or IDW, Eq. 21/28); the top-k of
+each half (Eq. 7/29) are combined into k × k candidate slots whose score is the sum of the
+two halves' scores, and the top-k of those are the retrieved slots (Eq. 8/31), weighted
+by a softmax over their scores (Eq. 3/32). Cost: O(n + k²) per query instead of O(N).
+
+Shapes: queries [..., H, Dk] (H heads), sub-keys [H, 2, n, Dk/2].
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class Lookup(NamedTuple):
+    weights: Tensor  # [..., H, k] softmax over the retrieved slots' scores (Eq. 3)
+    index: Tensor  # [..., H, k] slot ids in [0, n²): row * n + col
+    sub_scores: Tensor  # [..., H, 2, k] raw scores of each half's top-k sub-keys (Eq. 28)
+    sub_index: Tensor  # [..., H, 2, k] ids of each half's top-k sub-keys (Eq. 29)
+
+
+def subkey_scores(q: Tensor, subkeys: Tensor, score: str = "dot", eps: float = 1e-3) -> Tensor:
+    """Scores of each query half against its sub-keys: [..., H, Dk] x [H, 2, n, Dk/2] -> [..., H, 2, n].
+
+    dot: s_i = q·K_i (Eq. 6).  idw: s_i = -log(eps + ||q - K_i||²) (Eq. 21), eps = 1e-3.
+    """
+    *lead, H, Dk = q.shape
+    qh = q.reshape(*lead, H, 2, 1, Dk // 2)  # Eq. 5: [q¹; q²] = q
+    if score == "dot":
+        return (qh * subkeys).sum(-1)
+    if score == "idw":
+        # ||q - K||² expanded as ||q||² - 2 q·K + ||K||² (no [.., n, Dk] difference tensor)
+        d2 = qh.pow(2).sum(-1) - 2 * (qh * subkeys).sum(-1) + subkeys.pow(2).sum(-1)
+        return -torch.log(eps + d2.clamp(min=0))
+    raise ValueError(f"unknown score {score!r}; use 'dot' or 'idw'")
+
+
+def product_topk(sub: Tensor, k: int) -> Lookup:
+    """Top-k slots of the n × n grid from per-half scores `sub` [..., H, 2, n] (Eqs. 29-32)."""
+    n = sub.shape[-1]
+    if k > n:
+        raise ValueError(f"top-k ({k}) cannot exceed the number of sub-keys per half ({n})")
+    s, i = sub.topk(k, dim=-1)  # [..., H, 2, k] (Eq. 29)
+    # k × k candidate grid: score(a, b) = s¹_a + s²_b (Eq. 31)
+    cand = s[..., 0, :, None] + s[..., 1, None, :]  # [..., H, k, k]
+    best, flat = cand.flatten(-2).topk(k, dim=-1)  # [..., H, k]
+    row = i[..., 0, :].gather(-1, flat // k)
+    col = i[..., 1, :].gather(-1, flat % k)
+    return Lookup(torch.softmax(best, dim=-1), row * n + col, s, i)
+
+
+def lookup(q: Tensor, subkeys: Tensor, k: int, score: str = "dot", eps: float = 1e-3) -> Lookup:
+    """Product-key lookup of queries [..., H, Dk] in sub-keys [H, 2, n, Dk/2]."""
+    return product_topk(subkey_scores(q, subkeys, score, eps), k)
+
+
+def gather_values(values: Tensor, lk: Lookup) -> Tensor:
+    """v̂ = Σ_{i∈I} s'_i V_i (Eq. 4/32) for values [N, Dv] (shared by heads) -> [..., H, Dv]."""
+    v = values[lk.index]  # [..., H, k, Dv]
+    return (lk.weights.unsqueeze(-1) * v).sum(-2)
+
+
+def brute_force_topk(q: Tensor, subkeys: Tensor, k: int, score: str = "dot", eps: float = 1e-3):
+    """Reference: score all n² slots explicitly and take the top-k (O(N); for tests only)."""
+    sub = subkey_scores(q, subkeys, score, eps)  # [..., H, 2, n]
+    full = (sub[..., 0, :, None] + sub[..., 1, None, :]).flatten(-2)  # [..., H, n²]
+    best, idx = full.topk(k, dim=-1)
+    return torch.softmax(best, dim=-1), idx
