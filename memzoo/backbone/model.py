@@ -73,18 +73,27 @@ class Block(nn.Module):
         mems = [build_layer(n, c.d_model, **c.memory.get(n, {})) for n in memory_names]
         ffn_mem = [m for m in mems if m.replaces_ffn]
         self.mems = nn.ModuleList([m for m in mems if not m.replaces_ffn])
-        self.mem_norms = nn.ModuleList([RMSNorm(c.d_model, c.norm_eps) for _ in self.mems])
+        self.mem_norms = nn.ModuleList(
+            [RMSNorm(c.d_model, c.norm_eps) if m.prenorm else nn.Identity() for m in self.mems]
+        )
         self.ffn_norm = RMSNorm(c.d_model, c.norm_eps)
         self.ffn = ffn_mem[0] if ffn_mem else SwiGLU(c.d_model, c.ffn_dim)
 
     def memories(self) -> list[MemoryLayer]:
         return [*self.mems, *([self.ffn] if isinstance(self.ffn, MemoryLayer) else [])]
 
-    def forward(self, h: Tensor, cache: dict | None, targets: Tensor | None) -> tuple[Tensor, dict]:
-        y, cache = self.mixer(self.mixer_norm(h), cache)
-        h = h + y
+    def _memories(self, h: Tensor, targets: Tensor | None, before: bool) -> Tensor:
         for norm, mem in zip(self.mem_norms, self.mems):
-            h = h + (mem(norm(h), targets=targets) if mem.needs_targets else mem(norm(h)))
+            if mem.before_mixer != before:
+                continue
+            x = norm(h) if mem.prenorm else h
+            h = h + (mem(x, targets=targets) if mem.needs_targets else mem(x))
+        return h
+
+    def forward(self, h: Tensor, cache: dict | None, targets: Tensor | None) -> tuple[Tensor, dict]:
+        h = self._memories(h, targets, before=True)
+        y, cache = self.mixer(self.mixer_norm(h), cache)
+        h = self._memories(h + y, targets, before=False)
         return h + self.ffn(self.ffn_norm(h)), cache
 
 
@@ -176,7 +185,10 @@ AutoModelForCausalLM.register(MemzooConfig, HybridLM)
 
 
 def count_params(mc: ModelConfig) -> int:
-    """Parameters of a model built on the meta device (no memory is allocated)."""
+    """Parameters of a model built on the meta device (no memory is allocated), counting the
+    shared fast weights of persistent memories (FwPKM's keys and values) as the paper's
+    Table 2 does; per-sequence fast weights are activations, not parameters."""
     with torch.device("meta"):
         model = HybridLM(mc)
-    return sum(p.numel() for p in model.parameters())
+    fast = sum(m.fast_weight_numel() for m in model.memories() if not m.per_sequence)
+    return sum(p.numel() for p in model.parameters()) + fast

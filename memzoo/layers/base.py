@@ -61,12 +61,36 @@ class MemoryLayer(nn.Module):
     iterative: ClassVar[bool] = False
     #: True = forward needs next-token targets, passed as `forward(x, targets=...)` (FWL)
     needs_targets: ClassVar[bool] = False
+    #: placement in a backbone block: False = the block gives the layer its own RMSNorm'd input;
+    #: layers with norms of their own (FwPKM's Eq. 26) set it False and read the raw residual
+    prenorm: ClassVar[bool] = True
+    #: True = the block runs the layer before its token mixer (the FwPKM release) instead of
+    #: between mixer and FFN (the paper)
+    before_mixer: bool = False
 
     def __init__(self, d_model: int):
         super().__init__()
         self.d_model = d_model
-        self._state: State | None = None
         self._batch_size = 1
+
+    # Where the state lives. Per-sequence state is a plain attribute. Shared persistent state
+    # (per_sequence=False) lives in buffers named fast_<key>: it moves with .to(), and it is
+    # saved and loaded with state_dict / save_pretrained, as a trained FwPKM's memory must be.
+    # Such layers call self.reset() at the end of __init__ so the buffers exist from the start.
+    @property
+    def _state(self) -> State | None:
+        if self.per_sequence:
+            return self.__dict__.get("_seq_state")
+        fast = {n[5:]: b for n, b in self._buffers.items() if n.startswith("fast_")}
+        return fast or None
+
+    @_state.setter
+    def _state(self, state: State | None) -> None:
+        if self.per_sequence:
+            self.__dict__["_seq_state"] = state
+        elif state is not None:
+            for k, v in state.items():
+                self._buffers["fast_" + k] = v
 
     # ---- the functional core every layer implements ------------------------------------
     def init_state(self, batch_size: int) -> State:
@@ -97,7 +121,7 @@ class MemoryLayer(nn.Module):
 
     # ---- the stateful shell -------------------------------------------------------------
     def reset(self, batch_size: int = 1) -> None:
-        """Forget: fast weights back to their initial value."""
+        """Forget: fast weights back to their initial value (shared layers ignore batch_size)."""
         self._batch_size = batch_size
         self._state = self.init_state(batch_size if self.per_sequence else 1)
 
@@ -166,6 +190,11 @@ class MemoryLayer(nn.Module):
     def stats(self) -> dict:
         """Diagnostics. The base reports the norm of every fast-weight tensor."""
         return {f"norm/{k}": v.float().norm().item() for k, v in self.state.items()}
+
+    def fast_weight_numel(self) -> int:
+        """Size of the fast weights (per sequence for per-sequence layers)."""
+        st = self.state
+        return sum(v[0].numel() if self.per_sequence else v.numel() for v in st.values())
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, chunk_size={self.chunk_size}, per_sequence={self.per_sequence}"

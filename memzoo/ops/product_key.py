@@ -7,7 +7,8 @@ each half (Eq. 7/29) are combined into k × k candidate slots whose score is the
 two halves' scores, and the top-k of those are the retrieved slots (Eq. 8/31), weighted
 by a softmax over their scores (Eq. 3/32). Cost: O(n + k²) per query instead of O(N).
 
-Shapes: queries [..., H, Dk] (H heads), sub-keys [H, 2, n, Dk/2].
+Shapes: queries [..., H, Dk] (H heads); sub-keys [H, 2, n, Dk/2] shared by all queries, or
+[B, H, 2, n, Dk/2] with one set per sequence for queries [B, T, H, Dk].
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import Tensor
 
 
 class Lookup(NamedTuple):
-    weights: Tensor  # [..., H, k] softmax over the retrieved slots' scores (Eq. 3)
+    scores: Tensor  # [..., H, k] scores of the retrieved slots, s¹_a + s²_b (Eq. 31), best first
     index: Tensor  # [..., H, k] slot ids in [0, n²): row * n + col
     sub_scores: Tensor  # [..., H, 2, k] raw scores of each half's top-k sub-keys (Eq. 28)
     sub_index: Tensor  # [..., H, 2, k] ids of each half's top-k sub-keys (Eq. 29)
@@ -30,15 +31,21 @@ def subkey_scores(q: Tensor, subkeys: Tensor, score: str = "dot", eps: float = 1
 
     dot: s_i = q·K_i (Eq. 6).  idw: s_i = -log(eps + ||q - K_i||²) (Eq. 21), eps = 1e-3.
     """
+    if score not in ("dot", "idw"):
+        raise ValueError(f"unknown score {score!r}; use 'dot' or 'idw'")
     *lead, H, Dk = q.shape
-    qh = q.reshape(*lead, H, 2, 1, Dk // 2)  # Eq. 5: [q¹; q²] = q
+    qh = q.reshape(*lead, H, 2, Dk // 2)  # Eq. 5: [q¹; q²] = q
+    if subkeys.dim() == 4:  # shared sub-keys
+        dot = torch.einsum("...hsd,hsnd->...hsn", qh, subkeys)
+        k2 = subkeys.pow(2).sum(-1)  # [H, 2, n]
+    else:  # one set per sequence: q [B, T, H, Dk], sub-keys [B, H, 2, n, d]
+        dot = torch.einsum("bthsd,bhsnd->bthsn", qh, subkeys)
+        k2 = subkeys.pow(2).sum(-1)[:, None]  # [B, 1, H, 2, n]
     if score == "dot":
-        return (qh * subkeys).sum(-1)
-    if score == "idw":
-        # ||q - K||² expanded as ||q||² - 2 q·K + ||K||² (no [.., n, Dk] difference tensor)
-        d2 = qh.pow(2).sum(-1) - 2 * (qh * subkeys).sum(-1) + subkeys.pow(2).sum(-1)
-        return -torch.log(eps + d2.clamp(min=0))
-    raise ValueError(f"unknown score {score!r}; use 'dot' or 'idw'")
+        return dot
+    # ||q - K||² expanded as ||q||² - 2 q·K + ||K||²: no [..., n, d] difference tensor
+    d2 = qh.pow(2).sum(-1, keepdim=True) - 2 * dot + k2
+    return -torch.log(eps + d2.clamp(min=0))
 
 
 def product_topk(sub: Tensor, k: int) -> Lookup:
@@ -52,7 +59,7 @@ def product_topk(sub: Tensor, k: int) -> Lookup:
     best, flat = cand.flatten(-2).topk(k, dim=-1)  # [..., H, k]
     row = i[..., 0, :].gather(-1, flat // k)
     col = i[..., 1, :].gather(-1, flat % k)
-    return Lookup(torch.softmax(best, dim=-1), row * n + col, s, i)
+    return Lookup(best, row * n + col, s, i)
 
 
 def lookup(q: Tensor, subkeys: Tensor, k: int, score: str = "dot", eps: float = 1e-3) -> Lookup:
@@ -60,15 +67,14 @@ def lookup(q: Tensor, subkeys: Tensor, k: int, score: str = "dot", eps: float = 
     return product_topk(subkey_scores(q, subkeys, score, eps), k)
 
 
-def gather_values(values: Tensor, lk: Lookup) -> Tensor:
-    """v̂ = Σ_{i∈I} s'_i V_i (Eq. 4/32) for values [N, Dv] (shared by heads) -> [..., H, Dv]."""
-    v = values[lk.index]  # [..., H, k, Dv]
-    return (lk.weights.unsqueeze(-1) * v).sum(-2)
+def gather_values(values: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+    """v̂ = Σ_i s'_i V_i (Eq. 4/32): values [N, Dv], index/weights [..., m] -> [..., Dv].
+    (An embedding bag; the gather materialises [..., m, Dv], fine for m = heads × top-k.)"""
+    return torch.einsum("...m,...md->...d", weights, values[index])
 
 
 def brute_force_topk(q: Tensor, subkeys: Tensor, k: int, score: str = "dot", eps: float = 1e-3):
     """Reference: score all n² slots explicitly and take the top-k (O(N); for tests only)."""
     sub = subkey_scores(q, subkeys, score, eps)  # [..., H, 2, n]
     full = (sub[..., 0, :, None] + sub[..., 1, None, :]).flatten(-2)  # [..., H, n²]
-    best, idx = full.topk(k, dim=-1)
-    return torch.softmax(best, dim=-1), idx
+    return full.topk(k, dim=-1)  # (scores, index)
