@@ -32,16 +32,16 @@ def cmd_params(args) -> int:
         n = count_params(rc.model) / 1e6
         ref = rc.paper.get("params_m")
         rows.append((Path(rc.source).stem, rc.model.layout, n, ref))
-    w = max(len(r[1]) for r in rows)
-    print(f"{'config':<16} {'layout':<{w}} {'memzoo (M)':>11} {'paper (M)':>10} {'diff':>8}")
+    w, c = max(len(r[1]) for r in rows), max(6, max(len(r[0]) for r in rows))
+    print(f"{'config':<{c}} {'layout':<{w}} {'memzoo (M)':>11} {'paper (M)':>10} {'diff':>8}")
     worst = 0.0
     for stem, layout, n, ref in rows:
         if ref is None:
-            print(f"{stem:<16} {layout:<{w}} {n:>11.2f} {'-':>10} {'-':>8}")
+            print(f"{stem:<{c}} {layout:<{w}} {n:>11.2f} {'-':>10} {'-':>8}")
             continue
         diff = 100 * (n - ref) / ref
         worst = max(worst, abs(diff))
-        print(f"{stem:<16} {layout:<{w}} {n:>11.2f} {ref:>10.2f} {diff:>+7.3f}%")
+        print(f"{stem:<{c}} {layout:<{w}} {n:>11.2f} {ref:>10.2f} {diff:>+7.3f}%")
     if any(r[3] is not None for r in rows):
         print(f"largest deviation from the paper: {worst:.3f}%")
     return 0

@@ -4,7 +4,7 @@ Every layer in the zoo is written in one functional core plus a thin stateful sh
 
     init_state(batch_size) -> state          the fast weights at their initial value
     read_state(x, state)   -> y              retrieve for every position of x; pure
-    write_state(x, state)  -> new state      memorize x; returns new tensors, never in place
+    write_state(x, state)  -> new state      memorize x; returns the new state (see below)
 
 The shell keeps the current state on the module and gives the user-facing verbs:
 
@@ -15,8 +15,11 @@ The shell keeps the current state on the module and gives the user-facing verbs:
     state / load_state     the explicit state (a dict of tensors), to carry, save or inspect
     stats()                diagnostics (norms here; layers add slot usage, gates, ...)
 
-Because writes return fresh tensors, the state is differentiable: during training the
-outer (slow-weight) gradients flow through the writes of the current sequence. The
+A write returns new tensors wherever autograd may need the old ones, so the state is
+differentiable: outer (slow-weight) gradients can flow through the writes of a sequence.
+A layer may update in place a state tensor that carries no graph (FwPKM's 512² x 512 values:
+a write then costs O(rows touched), not O(N)); `state` returns the live tensors, so keep a
+snapshot with `{k: v.clone() for k, v in layer.state.items()}`; `load_state` copies. The
 backbone calls `detach_state()` where a sequence ends and state is carried on, so the
 graph never grows across optimizer steps.
 
@@ -165,7 +168,7 @@ class MemoryLayer(nn.Module):
 
     @property
     def state(self) -> State:
-        """The current fast weights (a dict of tensors; they are never modified in place)."""
+        """The current fast weights (a dict of the live tensors; clone them to keep a snapshot)."""
         if self._state is None:
             self.reset(self._batch_size)
         return dict(self._state)
@@ -179,7 +182,7 @@ class MemoryLayer(nn.Module):
                 raise ValueError(f"state[{k!r}] has shape {tuple(v.shape)}, expected {tuple(ref[k].shape)}")
         if self.per_sequence:
             self._batch_size = next(iter(state.values())).shape[0]
-        self._state = dict(state)
+        self._state = {k: v.clone() for k, v in state.items()}  # a copy: later writes may be in place
 
     def detach_state(self) -> None:
         """Cut the autograd graph behind the state (called where a sequence ends)."""

@@ -24,6 +24,7 @@ class Lookup(NamedTuple):
     index: Tensor  # [..., H, k] slot ids in [0, n²): row * n + col
     sub_scores: Tensor  # [..., H, 2, k] raw scores of each half's top-k sub-keys (Eq. 28)
     sub_index: Tensor  # [..., H, 2, k] ids of each half's top-k sub-keys (Eq. 29)
+    pair: Tensor  # [..., H, k] which (a, b) of the k × k grid each slot is: a * k + b
 
 
 def subkey_scores(q: Tensor, subkeys: Tensor, score: str = "dot", eps: float = 1e-3) -> Tensor:
@@ -59,12 +60,19 @@ def product_topk(sub: Tensor, k: int) -> Lookup:
     best, flat = cand.flatten(-2).topk(k, dim=-1)  # [..., H, k]
     row = i[..., 0, :].gather(-1, flat // k)
     col = i[..., 1, :].gather(-1, flat % k)
-    return Lookup(best, row * n + col, s, i)
+    return Lookup(best, row * n + col, s, i, flat)
 
 
 def lookup(q: Tensor, subkeys: Tensor, k: int, score: str = "dot", eps: float = 1e-3) -> Lookup:
     """Product-key lookup of queries [..., H, Dk] in sub-keys [H, 2, n, Dk/2]."""
     return product_topk(subkey_scores(q, subkeys, score, eps), k)
+
+
+def pair_scores(top: Tensor, pair: Tensor) -> Tensor:
+    """Slot scores s¹_a + s²_b (Eq. 31) from per-half top-k scores `top` [..., H, 2, k]
+    (e.g. recomputed differentiably by `selected_subkey_scores`) and `Lookup.pair`."""
+    k = top.shape[-1]
+    return top[..., 0, :].gather(-1, pair // k) + top[..., 1, :].gather(-1, pair % k)
 
 
 def gather_values(values: Tensor, index: Tensor, weights: Tensor) -> Tensor:
@@ -78,3 +86,25 @@ def brute_force_topk(q: Tensor, subkeys: Tensor, k: int, score: str = "dot", eps
     sub = subkey_scores(q, subkeys, score, eps)  # [..., H, 2, n]
     full = (sub[..., 0, :, None] + sub[..., 1, None, :]).flatten(-2)  # [..., H, n²]
     return full.topk(k, dim=-1)  # (scores, index)
+
+
+def selected_subkey_scores(q: Tensor, subkeys: Tensor, sub_index: Tensor, score: str = "dot", eps: float = 1e-3) -> Tensor:
+    """Scores of the selected sub-keys only, [..., H, 2, k], differentiable in `subkeys`.
+
+    The gradients of FwPKM's key updates (Eqs. 37-39) reach only the top-k sub-keys of each
+    query, so recomputing these k scores costs O(k·d) per query instead of O(n·d).
+    q [..., H, Dk]; subkeys [H, 2, n, d] or [B, H, 2, n, d] (then q is [B, T, H, Dk]);
+    sub_index [..., H, 2, k] from `product_topk`.
+    """
+    *lead, H, Dk = q.shape
+    qh = q.reshape(*lead, H, 2, 1, Dk // 2)
+    h = torch.arange(H, device=q.device).view(H, 1, 1)
+    s = torch.arange(2, device=q.device).view(1, 2, 1)
+    if subkeys.dim() == 4:
+        K = subkeys[h, s, sub_index]  # [..., H, 2, k, d]
+    else:
+        b = torch.arange(subkeys.shape[0], device=q.device).view(-1, 1, 1, 1, 1)
+        K = subkeys[b, h, s, sub_index]
+    if score == "dot":
+        return (qh * K).sum(-1)
+    return -torch.log(eps + (qh - K).pow(2).sum(-1))

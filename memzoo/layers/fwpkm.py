@@ -1,0 +1,295 @@
+"""FwPKM: Fast-weight Product Key Memory (Zhao & Jones 2026, Sec. 3; summary in Sec. 3.5).
+
+A Product Key Memory whose sub-keys K¹, K² and values V are fast weights, rewritten chunk by
+chunk (chunk 512) by one step of gradient descent on a local memorisation objective.
+
+Read (Eqs. 26-34), for every token of a chunk, with the memory so far:
+    q_t, v_t, g_t = Linear(RMSNorm(h_t))                        Eq. 26 (FastWeightIO; v z-scored, Sec. 3.4.3)
+    [q¹; q²] = q_t;  s^{1,2}_i = -log(ε + ||q^{1,2} - K^{1,2}_i||²)   Eqs. 27-28 (IDW score, ε = 1e-3)
+    top-k per half, k×k combine, top-k, softmax                  Eqs. 29-31 (memzoo.ops.product_key)
+    v̂_{t+1} = Σ_{i∈I} s'_i V_i                                  Eq. 32 (1 head, top-8, 512² slots)
+    o'_t = Linear(RMSNorm(g_t v̂_{t+1} + (1 - g_t) v_t))          Eqs. 33-34
+
+Write (Eqs. 35-39), once per chunk, from the same pre-update fast weights:
+    V_i <- V_i - η (1/N_i^read) Σ_t g_t (v̂_t - v_{t+1}) s'_{t,i}  Eqs. 35-36: the gradient of the summed,
+                                                                gate-weighted ½||v - v̂||² (Sec. 3.2.2), each
+                                                                row averaged over the N_i^read tokens that
+                                                                read it in the chunk; η = 1, no clipping
+    K <- K - η ∇_K L_addr,  L_addr = -H(p̄) per sub-key set,     Eqs. 37-39: p̄ = mean over the chunk of the
+                                                                top-k-softmaxed sub-key scores (zeros elsewhere)
+With top-1 retrieval the value step rewrites the prediction exactly to its target (Eq. 16).
+
+Where the paper is silent, the authors' release decides, and where they differ the paper's
+choice is the default and the release's an option:
+- addressing-loss weight: 10 (Table 3); the release uses 1.0 (`addr_loss_weight`).
+- value-gradient scale: the release multiplies it by an extra top-k × heads (`release_value_scale`).
+- outer gradients: the paper's memorisation loss "cannot reach slow weights" (Sec. 3.4.1), so a
+  write is a local update of detached inputs; the release keeps the update graph in training so
+  outer gradients pass through it (`grad_through_update=True`).
+- placement: between token mixer and FFN (Sec. 4.1); the release runs it before the mixer
+  (`before_mixer=True`).
+- joint softmax over heads × top-k and the gate as a sigmoid scalar follow the release;
+  lookahead pairs stay inside a chunk (the chunk's last token writes nothing), as in the
+  release's training path; N_i^read counts the reads of the chunk's writing tokens.
+Fast weights are shared across the batch and persist across calls (the paper and release);
+`per_sequence=True` gives each sequence its own. They are buffers, never slow parameters.
+App. B ablations: `lookahead`, `gating`, `gate_weighted_loss`, `value_norm`, `addr_loss`
+(off: keys follow the MSE gradient instead), `score="dot"` (the paper found IDW necessary).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from memzoo.layers.base import MemoryLayer, State
+from memzoo.layers.fw_io import FastWeightIO, write_pairs
+from memzoo.ops.product_key import Lookup, gather_values, lookup, pair_scores, selected_subkey_scores
+from memzoo.registry import register_layer
+
+
+def _fp32(x: Tensor) -> Tensor:
+    """Fast-weight math runs in at least fp32 (the release's fp32_fw)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@register_layer("fwpkm")
+class FwPKM(MemoryLayer):
+    iterative = True
+    prenorm = False  # Eq. 26 normalises h itself
+
+    def __init__(
+        self,
+        d_model: int,
+        key_dim: int = 512,
+        value_dim: int = 512,
+        heads: int = 1,
+        topk: int = 8,
+        n_subkeys: int = 512,
+        chunk_size: int = 512,
+        lr: float = 1.0,
+        score: str = "idw",
+        idw_eps: float = 1e-3,
+        addr_loss: bool = True,
+        addr_loss_weight: float = 10.0,
+        lookahead: bool = True,
+        gating: bool = True,
+        gate_weighted_loss: bool = True,
+        value_norm: bool = True,
+        per_sequence: bool = False,
+        grad_through_update: bool = False,
+        release_value_scale: bool = False,
+        before_mixer: bool = False,
+        seed: int = 0,
+    ):
+        super().__init__(d_model)
+        if key_dim % 2:
+            raise ValueError(f"key_dim must be even (two product halves), got {key_dim}")
+        if topk > n_subkeys:
+            raise ValueError(f"topk ({topk}) cannot exceed n_subkeys ({n_subkeys})")
+        self.key_dim, self.value_dim, self.heads, self.topk, self.n = key_dim, value_dim, heads, topk, n_subkeys
+        self.N = n_subkeys**2
+        self.chunk_size, self.lr, self.score, self.idw_eps = chunk_size, lr, score, idw_eps
+        self.addr_loss, self.addr_loss_weight = addr_loss, addr_loss_weight
+        self.lookahead, self.gate_weighted_loss = lookahead, gate_weighted_loss
+        self.per_sequence, self.grad_through_update = per_sequence, grad_through_update
+        self.release_value_scale, self.before_mixer, self.seed = release_value_scale, before_mixer, seed
+        self.io = FastWeightIO(d_model, heads * key_dim, value_dim, gating, value_norm)
+        self._diag: dict = {}
+        self._pos, self._writer = 0, None  # stream position; who last wrote each slot
+        self.reset_stats()
+        if not per_sequence:
+            self.reset()  # shared fast weights exist as buffers from the start
+
+    @classmethod
+    def test_config(cls) -> dict:
+        # tiny sizes for the shared suite. The addressing loss's pull on a key scales like
+        # 1/(chunk length) per query, so the paper's weight 10 (tuned for 512-token chunks over
+        # 512 sub-keys) swamps a 16-token write over 16 sub-keys; 1.0 (the release's) fits.
+        return dict(key_dim=16, value_dim=16, topk=2, n_subkeys=16, chunk_size=8, addr_loss_weight=1.0)
+
+    # ---- fast weights ----------------------------------------------------------------------
+    def init_state(self, batch_size: int) -> State:
+        """K ~ U(±1/√Dk), V ~ N(0, 1/Dv) as in the release, from a fixed seed so reset is exact."""
+        dev = self.io.q_proj.weight.device
+        dt = torch.promote_types(self.io.q_proj.weight.dtype, torch.float32)  # fast weights: >= fp32
+        kshape = (self.heads, 2, self.n, self.key_dim // 2)
+        vshape = (self.N, self.value_dim)
+        if dev.type == "meta":
+            keys, values = torch.empty(kshape, device=dev), torch.empty(vshape, device=dev)
+        else:
+            gen = torch.Generator().manual_seed(self.seed)
+            bound = 1 / math.sqrt(self.key_dim)
+            keys = (torch.rand(kshape, generator=gen) * 2 - 1).mul_(bound).to(dev, dt)
+            values = (torch.randn(vshape, generator=gen) * self.value_dim**-0.5).to(dev, dt)
+        if self.per_sequence:  # real copies: writes update values in place
+            keys, values = keys.repeat(batch_size, 1, 1, 1, 1), values.repeat(batch_size, 1, 1)
+        return {"keys": keys, "values": values}
+
+    # ---- retrieval (Eqs. 27-32) ------------------------------------------------------------
+    def _lookup(self, q: Tensor, state: State) -> tuple[Lookup, Tensor, Tensor]:
+        """Top-k slots for queries [B, T, H*Dk]: the lookup, softmax weights [B, T, H*k] over
+        heads × top-k jointly (release), and slot ids into the flattened values [B, T, H*k].
+        Selection needs no gradient; the k selected scores are then recomputed
+        differentiably (O(k·d) per query, not O(n·d)) for the weights' gradient to q."""
+        B, T, _ = q.shape
+        qh = _fp32(q).view(B, T, self.heads, self.key_dim)
+        with torch.no_grad():
+            lk = lookup(qh, state["keys"], self.topk, self.score, self.idw_eps)
+        top = selected_subkey_scores(qh, state["keys"], lk.sub_index, self.score, self.idw_eps)
+        w = torch.softmax(pair_scores(top, lk.pair).flatten(-2), dim=-1)
+        return lk, w, self._rows(lk.index.flatten(-2))
+
+    def _rows(self, idx: Tensor) -> Tensor:
+        if self.per_sequence:  # each sequence addresses its own block of rows
+            idx = idx + torch.arange(idx.shape[0], device=idx.device).view(-1, 1, 1) * self.N
+        return idx
+
+    def _values(self, state: State) -> Tensor:
+        return state["values"].reshape(-1, self.value_dim)
+
+    def read_state(self, x: Tensor, state: State) -> Tensor:
+        q, v, g = self.io.project(x)
+        lk, w, idx = self._lookup(q, state)
+        v_hat = gather_values(self._values(state), idx, w)
+        self._note_read(idx, w, g)
+        return self.io.output(v_hat.to(v.dtype), v, g)
+
+    # ---- memorisation (Eqs. 35-39) ---------------------------------------------------------
+    def write_state(self, x: Tensor, state: State) -> State:
+        q, v, g = self.io.project(x)
+        lk, w, idx = self._lookup(q, state)
+        return self._update(q, v, g, lk, w, idx, state)
+
+    def _update(self, q, v, g, lk: Lookup, w, idx, state: State) -> State:
+        B, T, _ = q.shape
+        if not self.grad_through_update:  # a local update (Sec. 3.4.1): no outer graph through it
+            q, v, w = q.detach(), v.detach(), w.detach()
+            g = None if g is None else g.detach()
+        qw, tgt, lw = write_pairs(q, v, g, self.lookahead, self.gate_weighted_loss)
+        Tw = qw.shape[1]
+        new = dict(state)
+        new["keys"] = state["keys"] - self.lr * self._key_grad(q, lk, tgt, lw, state)
+        if Tw > 0:
+            values = state["values"]
+            flat = values.view(-1, self.value_dim)
+            w_w, idx_w = w[:, :Tw], idx[:, :Tw]  # the writing tokens' own retrieval
+            v_hat = gather_values(flat, idx_w, w_w)
+            # ∇_{v̂_t} of the gate-weighted ½||v_{t+1} - v̂_t||², summed over tokens and features (Sec. 3.2.2)
+            err = _fp32(lw).unsqueeze(-1) * (v_hat - _fp32(tgt))  # [B, Tw, Dv]
+            rows = idx_w.reshape(-1)
+            _, inv, n_read = torch.unique(rows, return_inverse=True, return_counts=True)
+            scale = self.lr * (self.topk * self.heads if self.release_value_scale else 1.0)
+            # Eqs. 35-36: each entry's share of its row's gradient, averaged over the row's N_i^read
+            delta = (w_w.unsqueeze(-1) * err.unsqueeze(-2)).reshape(-1, self.value_dim)
+            delta = delta * (-scale / n_read[inv].to(delta.dtype)).unsqueeze(-1)
+            if values.requires_grad or (self.grad_through_update and torch.is_grad_enabled()):
+                flat = flat.index_add(0, rows, delta)  # functional: outer gradients flow through it
+            else:
+                flat.index_add_(0, rows, delta)  # in place: O(rows touched), not O(N)
+            new["values"] = flat.view_as(values)
+            self._note_write(idx_w, B, Tw)
+        self._pos += T
+        return new
+
+    def _key_grad(self, q, lk: Lookup, tgt, lw, state: State) -> Tensor:
+        """∇_K of the addressing loss (Eqs. 37-39), or of the memorisation loss when that is
+        switched off (App. B). Only the selected sub-keys get gradient, so only their scores
+        are recomputed (differentiably in K): O(k·d) per token."""
+        keys = state["keys"]
+        outer = self.grad_through_update and torch.is_grad_enabled()  # keep the graph (release)
+        B, T, _ = q.shape
+        with torch.enable_grad():
+            K = keys if keys.requires_grad else keys.detach().requires_grad_()
+            qh = _fp32(q).view(B, T, self.heads, self.key_dim)
+            top = selected_subkey_scores(qh, K, lk.sub_index, self.score, self.idw_eps)  # [B, T, H, 2, k]
+            if self.addr_loss:
+                p = torch.softmax(top, -1)  # s' over each half's top-k (Eq. 30); zero elsewhere
+                # p̄: mean over the chunk (and, for shared memory, the batch) of the scattered s' (Eq. 37)
+                if self.per_sequence:
+                    p, idx, shape = p.permute(0, 2, 3, 1, 4), lk.sub_index.permute(0, 2, 3, 1, 4), (B, self.heads, 2)
+                else:
+                    p, idx, shape = p.permute(2, 3, 0, 1, 4), lk.sub_index.permute(2, 3, 0, 1, 4), (self.heads, 2)
+                p_bar = p.new_zeros(*shape, self.n).scatter_add(-1, idx.reshape(*shape, -1), p.reshape(*shape, -1))
+                p_bar = p_bar / (T if self.per_sequence else B * T)
+                entropy = -(p_bar * torch.log(p_bar + 1e-8)).sum(-1)  # per head and sub-key set
+                loss = -self.addr_loss_weight * entropy.sum()  # Eq. 38: maximise H(p̄)
+            else:  # App. B "w/o addr loss": keys follow the memorisation loss instead
+                Tw = tgt.shape[1]
+                if Tw == 0:
+                    return torch.zeros_like(keys)
+                w = torch.softmax(pair_scores(top[:, :Tw], lk.pair[:, :Tw]).flatten(-2), -1)
+                idx = self._rows(lk.index[:, :Tw].flatten(-2))
+                v_hat = gather_values(self._values(state).detach(), idx, w)
+                loss = 0.5 * (_fp32(lw).unsqueeze(-1) * (_fp32(tgt) - v_hat).pow(2)).sum()
+            (grad,) = torch.autograd.grad(loss, K, create_graph=outer)
+        return grad
+
+    # ---- causal mixing: one lookup per chunk shared by read and write ---------------------
+    def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
+        ys = []
+        for s in range(0, x.shape[1], self.chunk_size):
+            q, v, g = self.io.project(x[:, s : s + self.chunk_size])
+            lk, w, idx = self._lookup(q, state)
+            v_hat = gather_values(self._values(state), idx, w)
+            self._note_read(idx, w, g)
+            ys.append(self.io.output(v_hat.to(v.dtype), v, g))
+            state = self._update(q, v, g, lk, w, idx, state)
+        return torch.cat(ys, dim=1), state
+
+    # ---- diagnostics (Sec. 3.3 usage, Fig. 3 gates, Fig. 5 retrieval trace) ---------------
+    def reset(self, batch_size: int = 1) -> None:
+        super().reset(batch_size)
+        self._pos = 0
+        rows = batch_size * self.N if self.per_sequence else self.N
+        dev = self.io.q_proj.weight.device
+        if dev.type != "meta":  # who wrote each slot last: stream position and batch row (-1: never)
+            self._writer = torch.full((rows, 2), -1, dtype=torch.long, device=dev)
+
+    def reset_stats(self) -> None:
+        """Start a new slot-usage count (stats()['usage'] counts slots read since)."""
+        self._hits = None
+
+    @torch.no_grad()
+    def _note_read(self, idx: Tensor, w: Tensor, g: Tensor | None) -> None:
+        rows = self.N * (idx.shape[0] if self.per_sequence else 1)
+        if self._hits is None or self._hits.numel() != rows:
+            self._hits = torch.zeros(rows, dtype=torch.bool, device=idx.device)
+        self._hits[idx.reshape(-1)] = True
+        self._diag = {"index": idx.detach(), "weights": w.detach(), "gates": None if g is None else g.detach()}
+        if self._writer is not None:  # what the read found: who had written each slot by then
+            self._diag["writer"] = self._writer[idx]
+
+    @torch.no_grad()
+    def _note_write(self, idx_w: Tensor, B: int, Tw: int) -> None:
+        if getattr(self, "_writer", None) is None:
+            return
+        off = 1 if self.lookahead else 0  # the token whose value was stored
+        pos = (self._pos + off + torch.arange(Tw, device=idx_w.device)).view(1, Tw, 1).expand_as(idx_w)
+        seq = torch.arange(B, device=idx_w.device).view(B, 1, 1).expand_as(idx_w)
+        self._writer[idx_w.reshape(-1)] = torch.stack([pos.reshape(-1), seq.reshape(-1)], -1)  # later ones win
+
+    @torch.no_grad()
+    def stats(self) -> dict:
+        out = super().stats()
+        if self._hits is not None:
+            out["usage"] = (self._hits > 0).float().mean().item()
+        d = self._diag
+        if d:
+            # marginal entropy of each sub-key set over the last read, normalised by log n
+            sub = torch.stack([d["index"] // self.n, d["index"] % self.n]) % self.n
+            for h, name in enumerate(("sub1", "sub2")):
+                p = torch.bincount(sub[h].reshape(-1), minlength=self.n).float()
+                p = p / p.sum()
+                out[f"marginal_entropy/{name}"] = (-(p * torch.log(p + 1e-12)).sum() / math.log(self.n)).item()
+            if d["gates"] is not None:
+                out["gate_hist"] = torch.histc(d["gates"].float(), bins=10, min=0, max=1).tolist()
+                out["gate_mean"] = d["gates"].float().mean().item()
+            trace = {"slots": d["index"], "weights": d["weights"]}
+            if "writer" in d:
+                trace["writer_pos"], trace["writer_seq"] = d["writer"][..., 0], d["writer"][..., 1]
+            out["trace"] = trace
+        return out

@@ -1,0 +1,176 @@
+"""FwPKM numerics against the paper's equations (Sec. 3, Eqs. 16, 26-39)."""
+
+import pytest
+import torch
+
+from memzoo.backbone import HybridLM
+from memzoo.layers.fwpkm import FwPKM
+from memzoo.ops.product_key import gather_values
+
+
+def grid_layer(**kw) -> FwPKM:
+    """2 × 2 slots on 1-d sub-keys at 0 and 10: a query (a, b) reads slot 2·[a≈10] + [b≈10]."""
+    cfg = dict(key_dim=2, value_dim=2, topk=1, n_subkeys=2, chunk_size=16, value_norm=False)
+    cfg.update(kw)
+    layer = FwPKM(8, **cfg).double()
+    keys = torch.tensor([0.0, 10.0], dtype=torch.float64).view(1, 1, 2, 1).expand(1, 2, 2, 1).clone()
+    layer.load_state({"keys": keys, "values": torch.tensor([[1.0, 0], [5, 5], [7, 7], [0, 1]], dtype=torch.float64)})
+    return layer
+
+
+def write(layer: FwPKM, q, v, g):
+    q, v = torch.tensor([q], dtype=torch.float64), torch.tensor([v], dtype=torch.float64)
+    g = None if g is None else torch.tensor([g], dtype=torch.float64)
+    state = layer.state
+    lk, w, idx = layer._lookup(q, state)
+    return layer._update(q, v, g, lk, w, idx, state)["values"]
+
+
+def test_hand_computed_value_update_with_gates_and_read_counts():
+    # tokens A and B both read slot 0, C reads slot 3; no lookahead: targets are their own values
+    layer = grid_layer(lookahead=False)
+    V = write(layer, q=[[0.0, 0.0], [0.1, 0.0], [10.0, 10.0]], v=[[3.0, 1.0], [-1.0, 2.0], [4.0, -3.0]], g=[0.5, 1.0, 0.25])
+    # Eq. 35: V0' = V0 - (1/2)[0.5 (V0 - vA) + 1.0 (V0 - vB)] = (1,0) - ½[(-1,-0.5) + (2,-2)] = (0.5, 1.25)
+    #         V3' = V3 - 0.25 (V3 - vC) = (0,1) - 0.25 (-4, 4) = (1, 0); slots 1 and 2 untouched
+    expect = torch.tensor([[0.5, 1.25], [5, 5], [7, 7], [1, 0]], dtype=torch.float64)
+    torch.testing.assert_close(V, expect, rtol=0, atol=1e-12)
+
+
+def test_lookahead_pairs_each_query_with_the_next_value():
+    layer = grid_layer(lookahead=True)
+    # q_0 -> v_1, q_1 -> v_2; the last token writes nothing; gates g_0 = 1, g_1 = 0.5
+    V = write(layer, q=[[0.0, 0.0], [10.0, 10.0], [0.0, 10.0]], v=[[9.0, 9.0], [3.0, 1.0], [4.0, -3.0]], g=[1.0, 0.5, 1.0])
+    expect = torch.tensor([[3.0, 1.0], [5, 5], [7, 7], [2.0, -1.0]], dtype=torch.float64)  # V3 = (0,1) - .5((0,1)-(4,-3))
+    torch.testing.assert_close(V, expect, rtol=0, atol=1e-12)
+
+
+def test_ungated_loss_and_release_scale():
+    layer = grid_layer(lookahead=False, gate_weighted_loss=False)
+    V = write(layer, q=[[10.0, 10.0]], v=[[4.0, -3.0]], g=[0.25])
+    torch.testing.assert_close(V[3], torch.tensor([4.0, -3.0], dtype=torch.float64))  # one-step rewrite
+    layer = grid_layer(lookahead=False, gate_weighted_loss=False, release_value_scale=True, lr=0.5)
+    V = write(layer, q=[[10.0, 10.0]], v=[[4.0, -3.0]], g=None)
+    # the release's extra top-k × heads factor (= 1 here) times lr 0.5: half way to the target
+    torch.testing.assert_close(V[3], torch.tensor([2.0, -1.0], dtype=torch.float64))
+
+
+def test_one_step_rewriting_top1_distinct_slots():
+    """Eq. 16: with top-1 retrieval and distinct slots, one write makes every read return its target."""
+    torch.manual_seed(0)
+    n, dk, dv, T = 16, 8, 32, 40
+    layer = FwPKM(16, key_dim=dk, value_dim=dv, topk=1, n_subkeys=n, chunk_size=64, value_norm=False).double()
+    state = layer.state
+    # queries sitting on distinct grid points of the product keys
+    ids = torch.randperm(n * n)[:T]
+    rows, cols = ids // n, ids % n
+    sub = state["keys"][0]  # [2, n, dk/2]
+    q = torch.cat([sub[0, rows], sub[1, cols]], -1)[None] + 1e-4 * torch.randn(1, T, dk, dtype=torch.float64)
+    v = torch.randn(1, T + 1, dv, dtype=torch.float64)
+    q_all = torch.cat([q, q[:, :1]], 1)  # T + 1 tokens: q_t is paired with v_{t+1}
+    lk, w, idx = layer._lookup(q_all, state)
+    assert idx[0, :T, 0].unique().numel() == T  # distinct slots
+    new = layer._update(q_all, v, None, lk, w, idx, state)
+    lk2, w2, idx2 = layer._lookup(q, new)
+    assert torch.equal(idx2, idx[:, :T])  # top-1 keys do not move (a 1-way softmax has no gradient)
+    got = gather_values(new["values"], idx2, w2)
+    rel = (got - v[:, 1:]).norm() / v[:, 1:].norm()
+    assert rel < 1e-4, rel
+
+
+def _clustered_stream(layer: FwPKM, chunks: int, C: int, seed: int = 0) -> float:
+    g = torch.Generator().manual_seed(seed)
+    centers = 3.0 * torch.randn(4, layer.d_model, generator=g)
+    with torch.no_grad():
+        for i in range(chunks):
+            if i == chunks - 16:
+                layer.reset_stats()  # usage over the last 16 chunks
+            pick = torch.randint(0, 4, (1, C), generator=g)
+            x = centers[pick] + 0.3 * torch.randn(1, C, layer.d_model, generator=g)
+            layer(x)
+    return layer.stats()["usage"]
+
+
+def test_addressing_loss_keeps_slots_in_use():
+    """Sec. 3.3.1: on clustered queries the marginal-entropy loss spreads the keys over them."""
+    cfg = dict(key_dim=16, value_dim=16, topk=4, n_subkeys=16, chunk_size=64)
+    usage = {}
+    for on in (True, False):
+        torch.manual_seed(0)
+        layer = FwPKM(32, addr_loss=on, **cfg).eval()
+        usage[on] = _clustered_stream(layer, chunks=64, C=64)
+    print(f"slot usage over the last 16 of 64 chunks: with addressing loss {usage[True]:.3f}, without {usage[False]:.3f}")
+    assert usage[True] >= 2 * usage[False], usage
+
+
+def test_fast_weights_are_buffers_not_parameters():
+    layer = FwPKM(32, **FwPKM.test_config())
+    params = {id(p) for p in layer.parameters()}
+    assert all(id(t) not in params for t in layer.state.values())
+    names = {n for n, _ in layer.named_buffers()}
+    assert {"fast_keys", "fast_values"} <= names
+    layer2 = FwPKM(32, **FwPKM.test_config())
+    layer(torch.randn(1, 16, 32))
+    layer2.load_state_dict(layer.state_dict())  # the memory travels with the weights
+    torch.testing.assert_close(layer2.state["values"], layer.state["values"])
+
+
+def test_per_sequence_option_keeps_sequences_apart():
+    torch.manual_seed(0)
+    layer = FwPKM(32, per_sequence=True, **FwPKM.test_config())
+    x = torch.randn(2, 16, 32)
+    layer.reset(2)
+    y = layer(x)
+    layer.reset(1)
+    y0 = layer(x[:1])
+    torch.testing.assert_close(y[:1], y0)  # sequence 0 is not affected by sequence 1
+
+
+def test_grad_through_update_option():
+    """Paper default: a write is a local update, so a later chunk's output has no gradient
+    w.r.t. an earlier chunk's input; the release's option keeps the update graph."""
+    cfg = FwPKM.test_config()  # chunk 8
+    for through in (False, True):
+        torch.manual_seed(0)
+        layer = FwPKM(32, grad_through_update=through, **cfg)
+        x = torch.randn(1, 16, 32, requires_grad=True)
+        layer.reset()
+        layer(x)[:, 8:].sum().backward()  # the 2nd chunk reads what the 1st wrote
+        reached = x.grad[:, :8].abs().sum().item()
+        assert (reached > 0) == through, (through, reached)
+        st = layer.state
+        assert st["values"].requires_grad == through and st["keys"].requires_grad == through
+
+
+def test_stats_report_usage_gates_entropy_and_trace():
+    torch.manual_seed(0)
+    layer = FwPKM(32, **FwPKM.test_config())
+    layer(torch.randn(2, 16, 32))
+    s = layer.stats()
+    assert 0 < s["usage"] <= 1 and 0 < s["marginal_entropy/sub1"] <= 1
+    assert len(s["gate_hist"]) == 10 and sum(s["gate_hist"]) == 2 * 8
+    tr = s["trace"]  # the last chunk's read: its slots, and who wrote them (positions of the first chunk)
+    assert tr["slots"].shape == (2, 8, 2) and tr["writer_pos"].shape == (2, 8, 2)
+    written = tr["writer_pos"][tr["writer_pos"] >= 0]
+    assert ((written >= 1) & (written < 8)).all()  # lookahead: positions 1..7 of the first chunk
+
+
+@pytest.mark.parametrize("layout", ["GDN | FwPKM@1", "GDN+SWA | PKM@0 + FwPKM@1"])
+def test_fwpkm_trains_in_a_model(layout):
+    from memzoo.layers.pkm import PKM
+
+    torch.manual_seed(0)
+    model = HybridLM.from_layout(layout, d_model=32, n_layers=2, vocab_size=50, ffn_dim=64, gdn_heads=2,
+                                 gdn_head_dim=16, attn_heads=2, attn_kv_heads=1, attn_head_dim=16, window=8,
+                                 memory={"fwpkm": FwPKM.test_config(), "pkm": PKM.test_config()})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 50, (2, 33))
+    losses = []
+    for _ in range(5):
+        loss = model(ids[:, :-1], targets=ids[:, 1:]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    fw = [m for m in model.memories() if isinstance(m, FwPKM)][0]
+    assert all(id(t) not in {id(p) for p in model.parameters()} for t in fw.state.values())
