@@ -243,11 +243,7 @@ class FwPKM(MemoryLayer):
     # ---- diagnostics (Sec. 3.3 usage, Fig. 3 gates, Fig. 5 retrieval trace) ---------------
     def reset(self, batch_size: int = 1) -> None:
         super().reset(batch_size)
-        self._pos = 0
-        rows = batch_size * self.N if self.per_sequence else self.N
-        dev = self.io.q_proj.weight.device
-        if dev.type != "meta":  # who wrote each slot last: stream position and batch row (-1: never)
-            self._writer = torch.full((rows, 2), -1, dtype=torch.long, device=dev)
+        self._pos, self._writer = 0, None
 
     def reset_stats(self) -> None:
         """Start a new slot-usage count (stats()['usage'] counts slots read since)."""
@@ -256,17 +252,19 @@ class FwPKM(MemoryLayer):
     @torch.no_grad()
     def _note_read(self, idx: Tensor, w: Tensor, g: Tensor | None) -> None:
         rows = self.N * (idx.shape[0] if self.per_sequence else 1)
-        if self._hits is None or self._hits.numel() != rows:
+        if self._hits is None or self._hits.numel() != rows or self._hits.device != idx.device:
             self._hits = torch.zeros(rows, dtype=torch.bool, device=idx.device)
         self._hits[idx.reshape(-1)] = True
         self._diag = {"index": idx.detach(), "weights": w.detach(), "gates": None if g is None else g.detach()}
-        if self._writer is not None:  # what the read found: who had written each slot by then
+        if self._writer is not None and self._writer.device == idx.device:  # who had written the slots read
             self._diag["writer"] = self._writer[idx]
 
     @torch.no_grad()
     def _note_write(self, idx_w: Tensor, B: int, Tw: int) -> None:
-        if getattr(self, "_writer", None) is None:
-            return
+        rows = self.N * (B if self.per_sequence else 1)
+        if self._writer is None or self._writer.shape[0] != rows or self._writer.device != idx_w.device:
+            # who wrote each slot last: stream position and batch row (-1: not since reset)
+            self._writer = torch.full((rows, 2), -1, dtype=torch.long, device=idx_w.device)
         off = 1 if self.lookahead else 0  # the token whose value was stored
         pos = (self._pos + off + torch.arange(Tw, device=idx_w.device)).view(1, Tw, 1).expand_as(idx_w)
         seq = torch.arange(B, device=idx_w.device).view(B, 1, 1).expand_as(idx_w)
