@@ -99,9 +99,10 @@ class Block(nn.Module):
 
 @dataclass
 class MemzooOutput(ModelOutput):
-    loss: Tensor | None = None
+    loss: Tensor | None = None  # LM loss + the memories' auxiliary losses
     logits: Tensor | None = None
     cache: list | None = None
+    aux_loss: Tensor | None = None  # the auxiliary part of `loss`
 
 
 class HybridLM(PreTrainedModel):
@@ -164,6 +165,7 @@ class HybridLM(PreTrainedModel):
         if targets is None and labels is not None:
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         for m in self.memories():
+            m.aux_loss = None
             if cache is None and m.per_sequence:
                 m.reset(B)  # a new sequence
             else:
@@ -174,10 +176,14 @@ class HybridLM(PreTrainedModel):
             h, c = block(h, None if cache is None else cache[i], targets)
             new_cache.append(c)
         logits = F.linear(self.norm(h), self.embed.weight)
-        loss = None
+        loss = aux = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-        return MemzooOutput(loss=loss, logits=logits, cache=new_cache if use_cache else None)
+            parts = [m.aux_loss for m in self.memories() if m.aux_loss is not None]
+            if parts:
+                aux = torch.stack(parts).sum()
+                loss = loss + aux
+        return MemzooOutput(loss=loss, logits=logits, cache=new_cache if use_cache else None, aux_loss=aux)
 
 
 AutoConfig.register("memzoo", MemzooConfig)

@@ -70,6 +70,9 @@ class MemoryLayer(nn.Module):
     #: True = the block runs the layer before its token mixer (the FwPKM release) instead of
     #: between mixer and FFN (the paper)
     before_mixer: bool = False
+    #: an auxiliary training loss of the last forward (e.g. MoM's load balancing), already
+    #: weighted; HybridLM adds every layer's to the LM loss. Layers set it in forward.
+    aux_loss: Tensor | None = None
 
     def __init__(self, d_model: int):
         super().__init__()
