@@ -1,6 +1,13 @@
-"""Memory layers. Importing this package registers the built-in layers by name."""
+"""Memory layers. Importing this package registers every layer defined in it by name:
+a new layer is one file here with an @register_layer class (base and fw_io are not layers)."""
+
+import importlib
+import pkgutil
 
 from memzoo.layers.base import MemoryLayer, State, build_layer
-from memzoo.layers import fwmlp, fwpkm, linear_attention, pkm  # noqa: F401  (registers the built-in layers)
+
+for _mod in pkgutil.iter_modules(__path__):
+    if not _mod.name.startswith("_") and _mod.name not in ("base", "fw_io"):
+        importlib.import_module(f"{__name__}.{_mod.name}")
 
 __all__ = ["MemoryLayer", "State", "build_layer"]
