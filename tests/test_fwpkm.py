@@ -174,3 +174,19 @@ def test_fwpkm_trains_in_a_model(layout):
     assert losses[-1] < losses[0]
     fw = [m for m in model.memories() if isinstance(m, FwPKM)][0]
     assert all(id(t) not in {id(p) for p in model.parameters()} for t in fw.state.values())
+
+
+def test_trained_memory_survives_save_pretrained(tmp_path):
+    """The shared fast weights are part of a trained FwPKM model: they round-trip through
+    save_pretrained / from_pretrained, so the reloaded model continues identically."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = HybridLM.from_layout("GDN | FwPKM@1", d_model=32, n_layers=2, vocab_size=50, ffn_dim=64, gdn_heads=2,
+                                 gdn_head_dim=16, memory={"fwpkm": FwPKM.test_config()}).eval()
+    model(torch.randint(0, 50, (2, 24)))  # writes: the memory is no longer at its initial value
+    ids = torch.randint(0, 50, (1, 16))
+    model.save_pretrained(tmp_path)
+    ref = model(ids).logits
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(loaded(ids).logits, ref)
