@@ -1,8 +1,8 @@
 """Training a HybridLM on real text: AdamW, warmup then cosine to min lr (Table 3's shape).
 
 Exact resume: batch number s is a pure function of (seed, s) (`LMStream.batch`), and a
-checkpoint holds the model, the optimizer, torch's RNG (pSWA draws from it) and the fast
-weights of persistent memory layers. So `--resume` after a kill replays exactly what the
+checkpoint holds the model (whose state_dict includes the fast weights of persistent memory
+layers), the optimizer and torch's RNG (pSWA draws from it). So `--resume` after a kill replays exactly what the
 uninterrupted run would have done. Checkpoints are written to a temporary file and renamed,
 so a kill mid-write never leaves a broken checkpoint.
 """
@@ -130,7 +130,6 @@ def train(rc: RunConfig, resume: bool = False, stop_after: int | None = None, pr
             raise ConfigError(f"--resume: the checkpoint in {out} was written by a different config")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
-        _load_memory_states(model, ck["memory"])
         torch.set_rng_state(ck["rng"])
         step, history = ck["step"], ck["history"]
     (out / "config.json").write_text(json.dumps(rc.to_dict(), indent=1))
@@ -140,7 +139,6 @@ def train(rc: RunConfig, resume: bool = False, stop_after: int | None = None, pr
             {
                 "model": model.state_dict(),
                 "opt": opt.state_dict(),
-                "memory": _memory_states(model),
                 "rng": torch.get_rng_state(),
                 "step": step,
                 "history": history,

@@ -9,10 +9,12 @@ from memzoo.config import ModelConfig, RunConfig, TrainConfig
 from memzoo.train import lr_at, train
 
 
-def _rc(tmp_path, **train_kw) -> RunConfig:
-    model = ModelConfig(layout="GDN+SWA | linear@1", vocab_size=257, d_model=32, n_layers=2, ffn_dim=64,
+def _rc(tmp_path, layout="GDN+SWA | linear@1", **train_kw) -> RunConfig:
+    from memzoo.layers.fwpkm import FwPKM
+
+    model = ModelConfig(layout=layout, vocab_size=257, d_model=32, n_layers=2, ffn_dim=64,
                         attn_heads=2, attn_kv_heads=1, attn_head_dim=16, window=16, gdn_heads=2, gdn_head_dim=16,
-                        gdn_chunk=16)
+                        gdn_chunk=16, memory={"fwpkm": FwPKM.test_config()})
     tc = dict(seq_len=32, batch_size=4, steps=8, warmup=2, lr=3e-3, min_lr=3e-4, eval_every=4, eval_batches=2,
               ckpt_every=2, out_dir=str(tmp_path / "run"))
     tc.update(train_kw)
@@ -28,13 +30,16 @@ def test_schedule_warmup_then_cosine_to_min():
     assert lr_at(60, tc) == pytest.approx(1e-4 + 0.5 * 9e-4)
 
 
-def test_kill_and_resume_gives_the_same_next_step_loss(tmp_path):
+@pytest.mark.parametrize("layout", ["GDN+SWA | linear@1", "FA-pSWA | FwPKM@1"])
+def test_kill_and_resume_gives_the_same_next_step_loss(tmp_path, layout):
+    """Per-sequence memory, and FwPKM's persistent memory (carried across steps, so it must be
+    checkpointed), with pSWA's random windows (torch's RNG must be restored too)."""
     torch.manual_seed(0)
-    full = train(_rc(tmp_path / "a"), progress=False)["history"]
+    full = train(_rc(tmp_path / "a", layout), progress=False)["history"]
     # "kill" after 5 steps: the last checkpoint is at step 4, step 5 is lost as in a real kill
-    killed = train(_rc(tmp_path / "b"), stop_after=5, progress=False)
+    killed = train(_rc(tmp_path / "b", layout), stop_after=5, progress=False)
     assert killed["killed"] and killed["step"] == 5
-    resumed = train(_rc(tmp_path / "b"), resume=True, progress=False)["history"]
+    resumed = train(_rc(tmp_path / "b", layout), resume=True, progress=False)["history"]
     assert [r["step"] for r in resumed] == list(range(1, 9))
     for a, b in zip(full, resumed):
         assert a["loss"] == b["loss"], (a, b)  # bit-exact, every step including the one after resume
