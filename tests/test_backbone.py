@@ -182,8 +182,8 @@ def test_paper_params_match_table2():
     from memzoo.backbone import count_params
     from memzoo.config import config_dir
 
-    paths = sorted((config_dir() / "paper").glob("*.yaml"))
-    assert len(paths) == 16
+    paths = [p for p in sorted((config_dir() / "paper").glob("*.yaml")) if "params_m" in load_config(p).paper]
+    assert len(paths) == 16  # the Table 2 rows (other paper configs, e.g. LaCT, have no published count)
     for name, ref in [("paper/gdn", 112.11), ("paper/gdn-swa", 112.65), ("paper/gdn-fa", 112.65), ("paper/fa", 114.25)]:
         assert load_config(name).paper["params_m"] == ref
     for p in paths:
