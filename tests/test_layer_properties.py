@@ -88,6 +88,12 @@ def fwd(layer: MemoryLayer, x: torch.Tensor, targets=None) -> torch.Tensor:
     return layer(x) if targets is None else layer(x, targets=targets)
 
 
+def wr(layer: MemoryLayer, x: torch.Tensor) -> None:
+    """write(x), with targets_for(layer, x) for needs_targets layers."""
+    targets = targets_for(layer, x)
+    layer.write(x) if targets is None else layer.write(x, targets=targets)
+
+
 def clone_state(state: dict) -> dict:
     return {k: v.detach().clone() for k, v in state.items()}
 
@@ -171,7 +177,7 @@ def test_read_is_pure_and_reset_restores(name):
     init = clone_state(layer.state)
     assert_states_equal(init, clone_state(layer.init_state(B)))
 
-    layer.write(rand_x(2, T, seed=2))
+    wr(layer, rand_x(2, T, seed=2))
     fwd(layer, rand_x(2, T, seed=3), targets_for(layer, rand_x(2, T, seed=3)))
     before = clone_state(layer.state)
     if not layer.replaces_ffn:
@@ -295,7 +301,7 @@ def test_fast_weights_are_not_slow_parameters(name):
     layer.reset(batch(layer, 2))
     init = clone_state(layer.state)
     check(layer.state, "reset")
-    layer.write(rand_x(2, T))
+    wr(layer, rand_x(2, T))
     check(layer.state, "write", init)
     x = rand_x(2, T, seed=3)
     fwd(layer, x, targets_for(layer, x))
@@ -329,13 +335,13 @@ def recall(layer: MemoryLayer, x_write, x_query, n_writes: int = 1):
     if layer.per_sequence:
         layer.reset(x_write.shape[0])
         for _ in range(n_writes):
-            layer.write(x_write)
+            wr(layer, x_write)
         return layer.read(x_query)
     outs = []
     for b in range(x_write.shape[0]):
         layer.reset(1)
         for _ in range(n_writes):
-            layer.write(x_write[b : b + 1])
+            wr(layer, x_write[b : b + 1])
         outs.append(layer.read(x_query[b : b + 1]))
     return torch.cat(outs, dim=0)
 

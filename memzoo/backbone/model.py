@@ -6,7 +6,20 @@ Block i (pre-norm residual, Qwen3-Next style; Sec. 4.1 of the FwPKM paper):
     h = h + Mem(RMSNorm(h))   for each memory   inserted between the mixer and the FFN
     h = h + FFN_i(RMSNorm(h))                   SwiGLU, or PKM where the layout puts one
 
-Embeddings are tied to the output head (this is what reproduces Table 2's parameter counts).
+Embeddings are tied to the output head (this is what reproduces Table 2's parameter counts):
+`output_head(h) = E · RMSNorm(h)`.
+
+Where a memory sits in its block: between the mixer and the FFN (the default), before the
+mixer (`before_mixer`, the FwPKM release), or on the block's output after its FFN
+(`after_ffn`; FWL "on top of the last layer"). What a memory is handed besides its input:
+
+- `needs_targets`: `targets=` the next-token targets (targets[b, t] = input_ids[b, t+1],
+  -100 = ignore; None when the caller gives none, e.g. generation).
+- `needs_head` (FWL): `head=` a callable y [B, T, D] -> logits [B, T, V], the LM logits if
+  the layer's output y is added to the residual at its place: `output_head(h + y)`. Everything
+  after such a layer must be position-wise, so it must sit `after_ffn` in the last block
+  and be the last memory there (checked when the model is built). A layer uses it to
+  differentiate each position's own LM loss (e.g. FWL's per-position gradients, Eq. 2).
 
 Streaming and memory: a call with `cache=None` starts new sequences: per-sequence memory
 layers are reset, shared persistent ones (FwPKM as in the paper) keep their fast weights
@@ -82,19 +95,30 @@ class Block(nn.Module):
     def memories(self) -> list[MemoryLayer]:
         return [*self.mems, *([self.ffn] if isinstance(self.ffn, MemoryLayer) else [])]
 
-    def _memories(self, h: Tensor, targets: Tensor | None, before: bool) -> Tensor:
+    def _memories(self, h: Tensor, targets: Tensor | None, site: str, head=None) -> Tensor:
         for norm, mem in zip(self.mem_norms, self.mems):
-            if mem.before_mixer != before:
+            if _site(mem) != site:
                 continue
             x = norm(h) if mem.prenorm else h
-            h = h + (mem(x, targets=targets) if mem.needs_targets else mem(x))
+            kw = {"targets": targets} if mem.needs_targets else {}
+            if mem.needs_head:
+                kw["head"] = lambda y, h=h: head(h + y)  # the LM logits with y added here
+            h = h + mem(x, **kw)
         return h
 
-    def forward(self, h: Tensor, cache: dict | None, targets: Tensor | None) -> tuple[Tensor, dict]:
-        h = self._memories(h, targets, before=True)
+    def forward(self, h: Tensor, cache: dict | None, targets: Tensor | None, head=None) -> tuple[Tensor, dict]:
+        """`head` (h -> logits) is given to the last block only: it feeds `needs_head` memories."""
+        h = self._memories(h, targets, "before_mixer")
         y, cache = self.mixer(self.mixer_norm(h), cache)
-        h = self._memories(h + y, targets, before=False)
-        return h + self.ffn(self.ffn_norm(h)), cache
+        h = self._memories(h + y, targets, "after_mixer")
+        h = h + self.ffn(self.ffn_norm(h))
+        return self._memories(h, targets, "after_ffn", head), cache
+
+
+def _site(mem: MemoryLayer) -> str:
+    if mem.before_mixer:
+        return "before_mixer"
+    return "after_ffn" if mem.after_ffn else "after_mixer"
 
 
 @dataclass
@@ -123,7 +147,22 @@ class HybridLM(PreTrainedModel):
         )
         self.norm = RMSNorm(c.d_model, c.norm_eps)
         nn.init.normal_(self.embed.weight, std=0.02)
+        self._check_head_users()
         self.post_init()
+
+    def _check_head_users(self) -> None:
+        """A `needs_head` memory must have only position-wise work between it and the logits."""
+        last = len(self.blocks) - 1
+        for i, block in enumerate(self.blocks):
+            top = [m for m in block.mems if _site(m) == "after_ffn"]
+            for m in block.mems:
+                if m.needs_head and (i != last or not top or top[-1] is not m):
+                    where = f"layer {i}" if i != last else "a place followed by other memories"
+                    raise ValueError(
+                        f"memory layer {m.name!r} reads the LM head, so it must sit on top of the last block "
+                        f"(the last memory there), but the layout puts it at {where}; write "
+                        f"'{m.name}' or '{m.name}@last' and no other memory after it on that layer"
+                    )
 
     @classmethod
     def from_layout(cls, layout: str, **overrides) -> "HybridLM":
@@ -142,6 +181,10 @@ class HybridLM(PreTrainedModel):
 
     def memories(self) -> list[MemoryLayer]:
         return [m for b in self.blocks for m in b.memories()]
+
+    def output_head(self, h: Tensor) -> Tensor:
+        """Logits from the last residual stream: final RMSNorm, then the tied embedding."""
+        return F.linear(self.norm(h), self.embed.weight)
 
     def reset_memory(self, batch_size: int = 1) -> None:
         """Forget everything: every memory layer back to its initial fast weights."""
@@ -172,10 +215,11 @@ class HybridLM(PreTrainedModel):
                 m.detach_state()  # continue from the fast weights, not from the last step's graph
         h = self.embed(input_ids)
         new_cache = []
+        last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
-            h, c = block(h, None if cache is None else cache[i], targets)
+            h, c = block(h, None if cache is None else cache[i], targets, self.output_head if i == last else None)
             new_cache.append(c)
-        logits = F.linear(self.norm(h), self.embed.weight)
+        logits = self.output_head(h)
         loss = aux = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)

@@ -70,6 +70,10 @@ class MemoryLayer(nn.Module):
     #: True = the block runs the layer before its token mixer (the FwPKM release) instead of
     #: between mixer and FFN (the paper)
     before_mixer: bool = False
+    #: True = forward also takes `head=`: y [B, T, D] -> LM logits [B, T, V] (FWL's loss gradients)
+    needs_head: ClassVar[bool] = False
+    #: True = the block runs the layer on its output, after its FFN ("on top of the last layer")
+    after_ffn: bool = False
     #: an auxiliary training loss of the last forward (e.g. MoM's load balancing), already
     #: weighted; HybridLM adds every layer's to the LM loss. Layers set it in forward.
     aux_loss: Tensor | None = None

@@ -1,0 +1,347 @@
+"""Fast Weight Layers (Clark et al. 2022, "Meta-Learning Fast Weight Language Models").
+
+An FWL sits on top of the last layer of a language model. Its slow function (Sec. 2)
+
+    f_θ(h) = LayerNorm(ReLU²(h U + a) W + b)         θ = {U, a, W, b, g, β}   (g, β: LayerNorm)
+
+is evaluated twice. The *slow pass* runs f_θ and the model's output head over the sequence
+and backpropagates every position's own next-token loss (Sec. 2, unnumbered)
+
+    L_t = CE(softmax(head(f_θ(h_t))), x_{t+1})
+
+to get T per-position gradients ∇_θ L_t in one backward pass (L_t depends on h_t only, the
+head being position-wise). The *fast pass* re-runs f at every position t with the weights
+that SGD on the losses of the previous positions would give,
+
+    θ'_t = θ - α ∘ Σ_{i<t} ∇_θ L_i                   one learned step size per matrix / vector
+
+(Sec. 2: "θ' ← θ' − α ∘ ∇θ L_t"; the gradients are all taken at the slow weights θ, which is
+what makes them computable in parallel; true dynamic evaluation would take them at θ'_t.)
+Nothing is stored per position but output gradients, by Eqs. 1-2: a weight gradient is an
+outer product ∇_W L_i = v_iᵀ ∇_{o_i} L_i, so for o = v W
+
+    o'_t = v'_t (W - α_W Σ_{i<t} ∇_W L_i)                                            (Eq. 1)
+         = v'_t W - α_W Σ_{i<t} (v'_t · v_i) ∇_{o_i} L_i                             (Eq. 2)
+
+causal linear attention with queries v'_t (fast-pass activations), keys v_i (slow-pass
+activations) and values ∇_{o_i} L_i. Here for both matrices (v = h for U: the input is the
+same in both passes; v = ReLU²(·) for W), and for the vectors a, b, g, β by an exclusive
+cumulative sum of their per-position gradients (Sec. 2, "Computing fast weights for vectors
+(e.g. biases or LayerNorm weights) ... using the cumsum operation"). All six of θ are fast,
+as in the reference release (google-research/fwl, tf/fwl.py: kernel/bias step sizes for each
+dense layer, alpha/beta step sizes for the LayerNorm; step sizes are raw learned scalars).
+Position t never uses the loss of position t or later (strictly causal; the reference's
+exclusive cumsum / strict causal mask).
+
+Segments (Sec. 3, the Transformer-XL variant). The running update ΔΘ of previous segments is
+carried as the layer's state and decays by a learned γ per matrix / vector:
+
+    o'_t = v'_t (W - α_W ΔW - α_W Σ_{S≤i<t} ∇_W L_i)
+    ΔW  ← γ_W ΔW + Σ_{S≤i≤T} ∇_W L_i                 (γ = sigmoid(learned logit))
+
+A segment is a chunk of ``chunk_size`` tokens (the class attribute the MemoryLayer interface
+uses to say where splits stream exactly): a call of several chunks equals calls chunk by chunk.
+With ``chunk_size`` ≥ the sequence length (the default 512 for typical training sequences)
+the layer is the paper's plain FWL, Eq. 2 over the whole sequence. The paper's "stopgrad"
+on ΔW is the backbone's ``detach_state()`` at call boundaries (as Transformer-XL stops the
+gradient at its segment boundary); within one call the chunks stay differentiable. The
+paper writes the sum as Σ_{i=S}^{t}; we use i < t as Eq. 1 does, so t never sees its own target.
+
+Training computes second-order gradients through the gradient updates ("We compute
+second-order gradients for the FWL parameters, backpropagating through ∇θ L_t"): the
+per-position gradients are built with ``create_graph`` whenever autograd records.
+
+Where it sits and what it needs (``needs_targets``, ``needs_head``, ``after_ffn``). The slow
+pass needs the next-token targets and the LM head. In a :class:`~memzoo.backbone.HybridLM`,
+"... | FWL" places the layer on top of the last block (``default_where = "last"``, after that
+block's FFN) and the backbone calls ``forward(x, targets=targets, head=head)`` with
+``x = RMSNorm(h)`` and ``head(y) = E · RMSNorm_final(h + y)``: the LM logits if the layer's
+output y is added to the residual h, i.e. softmax over the vocabulary through the final norm
+and the tied output embedding. The FWL output *augments* the last layer's output: h ← h +
+f_θ'(x), then the usual final norm and tied head (the paper feeds f_θ'(h) itself into the
+softmax; in a pre-norm residual stream the residual form keeps the backbone's own prediction
+and the FWL adds its gradient-adapted correction). Used alone, ``head`` defaults to the
+identity: the output y [B, T, D] is read as logits over D classes (targets in [0, D)).
+
+MemoryLayer verbs (targets/head as above; ``targets`` [B, T] int, -100 = ignore):
+
+- ``forward(x, targets, head)``: the fast pass, per chunk Eq. 2 + carried ΔΘ; then ΔΘ is
+  updated. Without targets (generation) there is no loss: the layer reads with the gradients
+  it already has (the carried ΔΘ) and writes nothing.
+- ``read(x)``: f with θ - α ∘ ΔΘ at every position (no within-call updates); pure.
+- ``write(x, targets, head)``: adds the chunks' gradients to ΔΘ (with the decay). Without
+  targets there is nothing to write (a no-op). It is not ``iterative``: the gradients are
+  taken at the slow weights, so writing the same data twice adds the same update twice.
+
+State (per sequence): the running update ΔΘ, ``{"dU": [B, D, H], "da": [B, H], "dW": [B, H, D],
+"db": [B, D], "dg": [B, D], "dbeta": [B, D]}``; the fast weights are θ - α ∘ ΔΘ. Kept in at
+least fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memzoo.layers.base import MemoryLayer, State
+from memzoo.registry import register_layer
+
+#: the fast weights, in the order of the step-size and decay vectors
+FAST = ("U", "a", "W", "b", "g", "beta")
+
+Head = Callable[[Tensor], Tensor]
+
+
+def _excl(mask: Tensor, g: Tensor) -> Tensor:
+    """Σ_{i<t} g_i for every t of a chunk (the strictly-causal cumsum), g [B, c, N]."""
+    return torch.einsum("ts,bsn->btn", mask, g)
+
+
+@register_layer("fwl")
+class FWL(MemoryLayer):
+    """Fast Weight Layer; see the module docstring for the equations.
+
+    Args:
+        d_model: model width D (input and output).
+        expansion: hidden width H = expansion · D (4 in the reference release).
+        chunk_size: segment length of the Transformer-XL variant (Sec. 3): the carried update
+            decays once per chunk; within a chunk Eq. 2 is exact.
+        step_size: initial value of the six learned step sizes α. The paper's L_t is a
+            per-token loss; the reference's 0.01 multiplies a loss averaged over all B·T tokens
+            of a batch, so its per-token step is ~0.01/(B·T). 1e-3 keeps the fast term a
+            modest correction at initialisation.
+        decay: initial value of the six learned decays γ (Sec. 3's γ_W; sigmoid-parametrised).
+        eps: LayerNorm epsilon.
+    """
+
+    per_sequence = True
+    inclusive: ClassVar[bool] = False
+    iterative: ClassVar[bool] = False
+    needs_targets: ClassVar[bool] = True
+    #: forward also takes `head`: y [B, T, D] -> LM logits [B, T, V] (position-wise)
+    needs_head: ClassVar[bool] = True
+    #: the block runs the layer on its output, after its FFN ("on top of the last layer")
+    after_ffn: ClassVar[bool] = True
+    #: "GDN+SWA | FWL" puts it on the last layer
+    default_where: ClassVar[str] = "last"
+
+    def __init__(
+        self,
+        d_model: int,
+        expansion: int = 4,
+        chunk_size: int = 512,
+        step_size: float = 1e-3,
+        decay: float = 0.9,
+        eps: float = 1e-5,
+    ):
+        super().__init__(d_model)
+        if expansion < 1:
+            raise ValueError(f"expansion must be >= 1, got {expansion}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay must be in (0, 1) (it is sigmoid-parametrised), got {decay}")
+        self.hidden = H = expansion * d_model
+        self.chunk_size = int(chunk_size)
+        self.eps = eps
+        # slow weights θ of f (Sec. 2)
+        self.U = nn.Parameter(torch.randn(d_model, H) / math.sqrt(d_model))
+        self.a = nn.Parameter(torch.zeros(H))
+        self.W = nn.Parameter(torch.randn(H, d_model) / math.sqrt(H))
+        self.b = nn.Parameter(torch.zeros(d_model))
+        self.g = nn.Parameter(torch.ones(d_model))  # LayerNorm gain
+        self.beta = nn.Parameter(torch.zeros(d_model))  # LayerNorm bias
+        # learned step sizes α and decays γ = sigmoid(decay_logit), one per entry of FAST
+        self.step_size = nn.Parameter(torch.full((len(FAST),), float(step_size)))
+        self.decay_logit = nn.Parameter(torch.full((len(FAST),), math.log(decay / (1.0 - decay))))
+
+    @classmethod
+    def test_config(cls) -> dict:
+        # tiny sizes; a large step so the fast term is far from vacuous in the fp64 checks
+        return dict(expansion=2, chunk_size=4, step_size=0.05, decay=0.8)
+
+    @classmethod
+    def test_targets(cls, x: Tensor) -> Tensor:
+        """Class of a token for the standalone (identity-head) layer: the largest feature of its
+        second half, D/2 + argmax(x[..., D/2:]) (for the suite's key+value tokens: the value)."""
+        h = x.shape[-1] // 2
+        return x[..., h:].argmax(-1) + h
+
+    # ---- state ------------------------------------------------------------------------------
+    def _state_dtype(self) -> torch.dtype:
+        return torch.promote_types(self.U.dtype, torch.float32)
+
+    def init_state(self, batch_size: int) -> State:
+        D, H = self.d_model, self.hidden
+        kw = dict(dtype=self._state_dtype(), device=self.U.device)
+        shapes = {"dU": (D, H), "da": (H,), "dW": (H, D), "db": (D,), "dg": (D,), "dbeta": (D,)}
+        return {k: torch.zeros(batch_size, *s, **kw) for k, s in shapes.items()}
+
+    # ---- the slow pass: f_θ, the per-position losses L_t and their gradients ----------------
+    def _norm(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        """LayerNorm without affine: (ẑ, 1/σ)."""
+        mu = z.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(z.var(-1, unbiased=False, keepdim=True) + self.eps)
+        return (z - mu) * rstd, rstd
+
+    def _slow_pass(self, x: Tensor, targets: Tensor, head: Head | None) -> dict[str, Tensor]:
+        """Activations of f_θ at every position (the keys of Eq. 2) and the per-position
+        gradients ∇ L_t w.r.t. every pre-activation (its values), by hand below the head."""
+        pre = x @ self.U + self.a
+        r = F.relu(pre).square()
+        zhat, rstd = self._norm(r @ self.W + self.b)
+        o = self.g * zhat + self.beta
+        g_o = self._output_grad(o, targets, head)  # ∇_{o_t} L_t
+        g_zhat = g_o * self.g  # LayerNorm backward
+        g_z = rstd * (g_zhat - g_zhat.mean(-1, keepdim=True) - zhat * (g_zhat * zhat).mean(-1, keepdim=True))
+        g_pre = (g_z @ self.W.t()) * 2.0 * F.relu(pre)  # ReLU² backward
+        # per-position gradients: ∇U_t = x_tᵀ g_pre_t, ∇a_t = g_pre_t, ∇W_t = r_tᵀ g_z_t,
+        # ∇b_t = g_z_t, ∇g_t = g_o_t ⊙ ẑ_t, ∇β_t = g_o_t
+        return {"x": x, "r": r, "g_pre": g_pre, "g_z": g_z, "g_g": g_o * zhat, "g_beta": g_o}
+
+    def _output_grad(self, o: Tensor, targets: Tensor, head: Head | None) -> Tensor:
+        """∇_{o_t} Σ_t CE(head(o)_t, targets_t) = ∇_{o_t} L_t (the head is position-wise).
+        Differentiable (create_graph) when autograd records; works under torch.no_grad too."""
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("FWL computes gradients in its forward; use torch.no_grad(), not torch.inference_mode()")
+        record = torch.is_grad_enabled() and o.requires_grad
+        with torch.enable_grad():
+            o_in = o if record else o.detach().requires_grad_()
+            logits = o_in if head is None else head(o_in)
+            if logits.shape[:2] != o.shape[:2]:
+                raise ValueError(
+                    f"FWL: head returned logits of shape {tuple(logits.shape)} for outputs {tuple(o.shape)}"
+                )
+            if logits.dtype not in (torch.float32, torch.float64):
+                logits = logits.float()
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+            (g,) = torch.autograd.grad(loss, o_in, create_graph=record)
+        return g.to(o.dtype)
+
+    def _check_targets(self, x: Tensor, targets: Tensor, head: Head | None) -> None:
+        if targets.shape != x.shape[:2]:
+            raise ValueError(
+                f"FWL: targets must have shape [batch, time] = {tuple(x.shape[:2])}, got {tuple(targets.shape)}"
+            )
+        if targets.is_floating_point() or targets.dtype == torch.bool:
+            raise TypeError(f"FWL: targets must be integer class ids (-100 = ignore), got {targets.dtype}")
+        if head is None and targets.numel() and int(targets.max()) >= self.d_model:
+            raise ValueError(
+                f"FWL got targets up to {int(targets.max())} but no head: alone it reads its output as logits over "
+                f"d_model={self.d_model} classes. Pass head=(y -> logits), or use it in a HybridLM ('... | FWL')"
+            )
+
+    # ---- the fast pass: Eq. 2 with the carried update --------------------------------------
+    def _alpha_gamma(self, dtype: torch.dtype) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        alpha = dict(zip(FAST, self.step_size.to(dtype).unbind()))
+        gamma = dict(zip(FAST, torch.sigmoid(self.decay_logit).to(dtype).unbind()))
+        return alpha, gamma
+
+    def _fast(self, x: Tensor, state: State, slow: dict[str, Tensor] | None, alpha: dict[str, Tensor]) -> Tensor:
+        """f_θ'(x_t) for every position of one chunk: θ' = θ - α ∘ (ΔΘ + Σ_{i<t in chunk} ∇θ L_i).
+        Without `slow` (a read) only the carried ΔΘ is used."""
+        dt = state["dU"].dtype
+        x = x.to(dt)
+        U, a, W, b, g, beta = (getattr(self, n).to(dt) for n in FAST)
+        if slow is not None:
+            c = x.shape[1]
+            mask = torch.ones(c, c, dtype=dt, device=x.device).tril(-1)  # i < t
+            s = {k: v.to(dt) for k, v in slow.items()}
+        # layer 1: query x'_t = x_t (the input is the same in both passes)
+        pre = x @ U + a - alpha["U"] * (x @ state["dU"]) - alpha["a"] * state["da"][:, None]
+        if slow is not None:
+            att = torch.einsum("btd,bsd->bts", x, s["x"]) * mask  # Eq. 2: (v'_t · v_i), i < t
+            pre = pre - alpha["U"] * (att @ s["g_pre"]) - alpha["a"] * _excl(mask, s["g_pre"])
+        r = F.relu(pre).square()
+        # layer 2: query r'_t (fast), keys r_i (slow)
+        z = r @ W + b - alpha["W"] * (r @ state["dW"]) - alpha["b"] * state["db"][:, None]
+        if slow is not None:
+            att = torch.einsum("bth,bsh->bts", r, s["r"]) * mask
+            z = z - alpha["W"] * (att @ s["g_z"]) - alpha["b"] * _excl(mask, s["g_z"])
+        zhat, _ = self._norm(z)
+        # LayerNorm's gain and bias: vectors, an exclusive cumsum of their gradients
+        gain = g - alpha["g"] * state["dg"][:, None]
+        bias = beta - alpha["beta"] * state["dbeta"][:, None]
+        if slow is not None:
+            gain = gain - alpha["g"] * _excl(mask, s["g_g"])
+            bias = bias - alpha["beta"] * _excl(mask, s["g_beta"])
+        return gain * zhat + bias
+
+    def _accumulate(self, state: State, slow: dict[str, Tensor], gamma: dict[str, Tensor]) -> State:
+        """ΔΘ ← γ ∘ ΔΘ + Σ_{i in chunk} ∇θ L_i (Sec. 3), the outer products summed over the chunk."""
+        dt = state["dU"].dtype
+        s = {k: v.to(dt) for k, v in slow.items()}
+        new = {
+            "dU": torch.einsum("btd,bth->bdh", s["x"], s["g_pre"]),
+            "da": s["g_pre"].sum(1),
+            "dW": torch.einsum("bth,btd->bhd", s["r"], s["g_z"]),
+            "db": s["g_z"].sum(1),
+            "dg": s["g_g"].sum(1),
+            "dbeta": s["g_beta"].sum(1),
+        }
+        return {"d" + n: gamma[n] * state["d" + n] + new["d" + n] for n in FAST}
+
+    # ---- the functional core ---------------------------------------------------------------
+    def read_state(self, x: Tensor, state: State) -> Tensor:
+        """f with the fast weights θ - α ∘ ΔΘ at every position; no within-call updates."""
+        alpha, _ = self._alpha_gamma(state["dU"].dtype)
+        return self._fast(x, state, None, alpha).to(x.dtype)
+
+    def _chunks(self, x: Tensor, slow: dict[str, Tensor]):
+        C = self.chunk_size
+        for s in range(0, x.shape[1], C):
+            yield s, {k: v[:, s : s + C] for k, v in slow.items()}
+
+    def write_state(self, x: Tensor, state: State, targets: Tensor | None = None, head: Head | None = None) -> State:
+        """Add the per-position gradients of x's losses to ΔΘ, chunk by chunk with the decay.
+        Without targets there is no loss and nothing to write."""
+        if targets is None or x.shape[1] == 0:
+            return state
+        self._check_targets(x, targets, head)
+        _, gamma = self._alpha_gamma(state["dU"].dtype)
+        slow = self._slow_pass(x, targets, head)
+        for _, sc in self._chunks(x, slow):
+            state = self._accumulate(state, sc, gamma)
+        return state
+
+    def forward_state(
+        self, x: Tensor, state: State, targets: Tensor | None = None, head: Head | None = None
+    ) -> tuple[Tensor, State]:
+        """Per chunk: Eq. 2 (causal within the chunk) on top of the carried ΔΘ, then ΔΘ ← γΔΘ + Σ∇.
+        Without targets: a read (the gradients the layer already has), state unchanged."""
+        if targets is None or x.shape[1] == 0:
+            return self.read_state(x, state), state
+        self._check_targets(x, targets, head)
+        alpha, gamma = self._alpha_gamma(state["dU"].dtype)
+        slow = self._slow_pass(x, targets, head)  # one slow pass for the whole call (position-wise)
+        ys = []
+        for s, sc in self._chunks(x, slow):
+            ys.append(self._fast(x[:, s : s + self.chunk_size], state, sc, alpha))
+            state = self._accumulate(state, sc, gamma)
+        return torch.cat(ys, dim=1).to(x.dtype), state
+
+    # ---- the stateful shell (targets and head pass through) ---------------------------------
+    def forward(self, x: Tensor, targets: Tensor | None = None, head: Head | None = None) -> Tensor:
+        y, self._state = self.forward_state(x, self._current(x), targets=targets, head=head)
+        return y
+
+    def write(self, x: Tensor, targets: Tensor | None = None, head: Head | None = None) -> None:
+        """Memorize the losses of x's positions (needs targets; without them a no-op)."""
+        self._state = self.write_state(x, self._current(x), targets=targets, head=head)
+
+    # ---- diagnostics ------------------------------------------------------------------------
+    @torch.no_grad()
+    def stats(self) -> dict:
+        out = super().stats()
+        alpha, gamma = self._alpha_gamma(torch.float32)
+        for n in FAST:
+            out[f"step_size/{n}"] = alpha[n].item()
+            out[f"decay/{n}"] = gamma[n].item()
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, hidden={self.hidden}"
