@@ -82,6 +82,8 @@ class GatedDeltaNet(nn.Module):
         v = v.view(B, T, self.h, self.d)
         beta = torch.sigmoid(self.b_proj(x).float())
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        # one dtype for q, k, v (fla's kernels require it; the torch path computes in fp32 anyway)
+        q, k = q.to(v.dtype), k.to(v.dtype)
         o, S = gated_delta_rule(
             q, k, v, g, beta, initial_state=cache.get("S"), output_final_state=True, chunk_size=self.chunk_size
         )
