@@ -101,7 +101,14 @@ class TrainConfig:
     def from_dict(cls, d: dict | None) -> "TrainConfig":
         cfg = _strict(cls, d, "train")
         cfg.betas = tuple(cfg.betas)
+        cfg.validate()
         return cfg
+
+    def validate(self) -> None:
+        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("grad_accum", 1),
+                          ("eval_every", 1), ("eval_batches", 1), ("ckpt_every", 1), ("warmup", 0)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"train.{name} must be >= {low}, got {getattr(self, name)}")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -108,6 +108,7 @@ def train(rc: RunConfig, resume: bool = False, stop_after: int | None = None, pr
     """Train per `rc`; `stop_after` ends the run after that many steps *without* a final
     checkpoint, exactly like a kill (used by the resume test)."""
     tc = rc.train
+    tc.validate()  # also after command-line overrides
     if tc.threads:
         torch.set_num_threads(tc.threads)
     # strong GDN decays make subnormal floats, which are ~10x slower on x86 CPUs; flush them

@@ -64,3 +64,8 @@ def test_vocab_too_small_is_explained(tmp_path):
     rc.model.vocab_size = 100
     with pytest.raises(ValueError, match="vocab_size >= 257"):
         train(rc, progress=False)
+
+
+def test_bad_train_values_are_explained(tmp_path):
+    with pytest.raises(ValueError, match="train.steps must be >= 1"):
+        train(_rc(tmp_path, steps=0), progress=False)
