@@ -40,6 +40,12 @@ def _strict(cls, d: dict, where: str):
     return cls(**d)
 
 
+def parse_strict(cls, d: dict | None, where: str):
+    """Build dataclass `cls` from mapping `d`; an unknown key is an error naming the valid
+    ones (and the closest match). `where` prefixes the message."""
+    return _strict(cls, d, where)
+
+
 @dataclass
 class ModelConfig:
     """The hybrid backbone (paper defaults: Table 3)."""

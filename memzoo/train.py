@@ -104,9 +104,13 @@ def prepare_data(rc: RunConfig):
     return stream, val_batches, h
 
 
-def train(rc: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True) -> dict:
+def train(
+    rc: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True, data=None
+) -> dict:
     """Train per `rc`; `stop_after` ends the run after that many steps *without* a final
-    checkpoint, exactly like a kill (used by the resume test)."""
+    checkpoint, exactly like a kill (used by the resume test). `data` replaces the corpus
+    named in the config: (stream with .batch(step, batch_size) -> (x, y), validation
+    batches, unigram entropy), as `prepare_data` returns (the bench mixes needles in)."""
     tc = rc.train
     tc.validate()  # also after command-line overrides
     if tc.threads:
@@ -116,7 +120,7 @@ def train(rc: RunConfig, resume: bool = False, stop_after: int | None = None, pr
     out = Path(tc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
-    stream, val_batches, unigram_h = prepare_data(rc)
+    stream, val_batches, unigram_h = prepare_data(rc) if data is None else data
 
     model = HybridLM(MemzooConfig.from_model_config(rc.model)).to(tc.device)
     model.train()

