@@ -261,3 +261,18 @@ class Context:
 
     def record(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float) -> dict:
         return self.recorder.add(suite, layer, setting, metrics, config, wall_s)
+
+
+# ---- rendering helpers shared by the suites' tables and figures -------------------------------
+
+
+def save_png(fig, path: str | Path) -> Path:
+    """Save a matplotlib figure so that the same data gives the same bytes: Agg, fixed dpi, no
+    software/date metadata."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return path

@@ -39,6 +39,7 @@ Three class attributes describe how a layer streams and what a "sequence" means 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
@@ -172,6 +173,45 @@ class MemoryLayer(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y, self._state = self.forward_state(x, self._current(x))
         return y
+
+    def advance_state(self, state: State, n: int) -> State:
+        """The state a read sees after `n` more tokens went by unwritten (inside `one_chunk`).
+        The fast weights do not change; layers with positions in their state (LaCT's RoPE)
+        move them on."""
+        return state
+
+    @contextmanager
+    def one_chunk(self):
+        """Inside this block the update chunk spans every call: forward only reads, with the
+        fast weights as they were on entry, and keeps its inputs; leaving the block writes
+        them all as one chunk. The result equals one forward over the concatenated calls
+        with chunk_size = their total length (the n-iter NIAH's C = haystack length, FwPKM
+        Sec. 4.3), but a caller can stream the calls with bounded activations: only this
+        layer's inputs are kept. For chunk-level read-then-write layers only."""
+        if self.inclusive or self.chunk_size is None or self.needs_targets:
+            raise TypeError(
+                f"{type(self).__name__}.one_chunk: only chunk-level read-then-write layers have an update "
+                "chunk to stretch (inclusive, token-recurrent and target-reading layers do not)"
+            )
+        pending: list[Tensor] = []
+
+        def read_and_keep(x: Tensor) -> Tensor:
+            seen = sum(p.shape[1] for p in pending)
+            pending.append(x.detach())
+            return self.read_state(x, self.advance_state(self._current(x), seen))
+
+        self.forward = read_and_keep  # the instance attribute shadows the class's forward
+        try:
+            yield self
+        finally:
+            del self.forward
+            if pending:
+                x, C = torch.cat(pending, dim=1), self.chunk_size
+                self.chunk_size = x.shape[1]  # layers whose write steps chunk by chunk take one step
+                try:
+                    self.write(x)
+                finally:
+                    self.chunk_size = C
 
     @property
     def state(self) -> State:

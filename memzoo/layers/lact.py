@@ -413,6 +413,9 @@ class LaCT(MemoryLayer):
             self._diag["momentum/mean"] = mu.detach().mean()
         return new
 
+    def advance_state(self, state: State, n: int) -> State:
+        return {**state, "pos": state["pos"] + n} if "pos" in state else state
+
     def write_state(self, x: Tensor, state: State) -> State:
         """Memorize x: one update per chunk of ``chunk_size`` tokens (a last partial chunk too)."""
         state = self._fast(state)
