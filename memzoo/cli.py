@@ -64,12 +64,28 @@ def cmd_train(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    print(
-        "memzoo bench is not built yet: the bench suites (toys, ppl, niah, cost) and leaderboards "
-        "arrive with issue 5. Today: `memzoo train` and `memzoo params`.",
-        file=sys.stderr,
-    )
-    return 2
+    from memzoo.bench.run import run_bench
+
+    run_bench(args.layers, args.suite, args.preset, args.seed, args.out, args.work_dir, args.device, not args.quiet)
+    return 0
+
+
+def cmd_leaderboard(args) -> int:
+    from memzoo.bench.leaderboard import render
+
+    for path in render(Path(args.out) / "results.jsonl"):
+        print(path)
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from memzoo.inspect import inspect_text
+
+    text = Path(args.file).read_text() if args.file else args.text
+    if not text:
+        raise ValueError("give the text to read: --text '...' or --file PATH")
+    print(inspect_text(args.model, text, top=args.top, max_tokens=args.max_tokens))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,9 +104,28 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("configs", nargs="+", help="config files, shipped names (paper/gdn) or directories (paper)")
     q.set_defaults(fn=cmd_params)
 
-    b = sub.add_parser("bench", help="compare memory layers on one backbone (not built yet: issue 5)")
-    b.add_argument("--layers", default="")
+    b = sub.add_parser("bench", help="compare memory layers (and the plain backbone) on one backbone, data and budget")
+    b.add_argument("--layers", default="", help="comma-separated layer names, or 'all'; the baseline is always included")
+    b.add_argument("--suite", default="all", help="comma-separated: toys, ppl, niah, cost (default: all)")
+    b.add_argument("--preset", default="tiny", help="tiny (CPU minutes), paper, or a preset YAML file")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default="leaderboards", help="rows are appended to OUT/results.jsonl")
+    b.add_argument("--work-dir", help="cache of trained LMs (default runs/bench/<preset>)")
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(fn=cmd_bench)
+
+    lb = sub.add_parser("leaderboard", help="render OUT/README.md and figures from OUT/results.jsonl")
+    lb.add_argument("--out", default="leaderboards")
+    lb.set_defaults(fn=cmd_leaderboard)
+
+    i = sub.add_parser("inspect", help="per memory layer: gate values per token and the retrieval trace of a read")
+    i.add_argument("model", help="a trained model: a `memzoo train` out dir, a ckpt.pt, or a save_pretrained dir")
+    i.add_argument("--text", help="the text to read")
+    i.add_argument("--file", help="read the text from this file")
+    i.add_argument("--top", type=int, default=4, help="slots shown per traced position")
+    i.add_argument("--max-tokens", type=int, default=4096)
+    i.set_defaults(fn=cmd_inspect)
 
     args = p.parse_args(argv)
     try:

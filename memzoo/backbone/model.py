@@ -198,10 +198,14 @@ class HybridLM(PreTrainedModel):
         labels: Tensor | None = None,
         cache: list | None = None,
         use_cache: bool = False,
+        keep_memory: bool = False,
         **unused,
     ) -> MemzooOutput:
         """targets[b, t] is the token after input_ids[b, t] (-100 = ignore). `labels` is the
-        Hugging Face form (same positions as input_ids, shifted here)."""
+        Hugging Face form (same positions as input_ids, shifted here). `keep_memory=True`
+        carries every memory layer's fast weights on from the previous call even where the
+        backbone starts new sequences (cache=None): the PPL protocol of fast weights carried
+        across a document's consecutive sequences (FwPKM Sec. 4.2)."""
         if input_ids.dtype not in (torch.long, torch.int):
             raise TypeError(f"input_ids must be integer token ids, got {input_ids.dtype}")
         B = input_ids.shape[0]
@@ -209,7 +213,7 @@ class HybridLM(PreTrainedModel):
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         for m in self.memories():
             m.aux_loss = None
-            if cache is None and m.per_sequence:
+            if cache is None and m.per_sequence and not keep_memory:
                 m.reset(B)  # a new sequence
             else:
                 m.detach_state()  # continue from the fast weights, not from the last step's graph

@@ -235,7 +235,7 @@ class FwPKM(MemoryLayer):
             q, v, g = self.io.project(x[:, s : s + self.chunk_size])
             lk, w, idx = self._lookup(q, state)
             v_hat = gather_values(self._values(state), idx, w)
-            self._note_read(idx, w, g)
+            self._note_read(idx, w, g, append=s > 0)
             ys.append(self.io.output(v_hat.to(v.dtype), v, g))
             state = self._update(q, v, g, lk, w, idx, state)
         return torch.cat(ys, dim=1), state
@@ -250,14 +250,23 @@ class FwPKM(MemoryLayer):
         self._hits = None
 
     @torch.no_grad()
-    def _note_read(self, idx: Tensor, w: Tensor, g: Tensor | None) -> None:
+    def _note_read(self, idx: Tensor, w: Tensor, g: Tensor | None, append: bool = False) -> None:
+        """Record a read for stats(): slots hit since reset_stats(), and the last call's slots,
+        weights, gates and the writers of the slots read (`append`: a later chunk of the same
+        call, concatenated along time so the trace covers the whole call)."""
         rows = self.N * (idx.shape[0] if self.per_sequence else 1)
         if self._hits is None or self._hits.numel() != rows or self._hits.device != idx.device:
             self._hits = torch.zeros(rows, dtype=torch.bool, device=idx.device)
         self._hits[idx.reshape(-1)] = True
-        self._diag = {"index": idx.detach(), "weights": w.detach(), "gates": None if g is None else g.detach()}
+        new = {"index": idx.detach(), "weights": w.detach(), "gates": None if g is None else g.detach()}
         if self._writer is not None and self._writer.device == idx.device:  # who had written the slots read
-            self._diag["writer"] = self._writer[idx]
+            new["writer"] = self._writer[idx]
+        old = dict(self._diag) if append else {}
+        if old and "writer" in new and "writer" not in old:  # the first write came between the chunks
+            old["writer"] = torch.full((*old["index"].shape, 2), -1, dtype=torch.long, device=idx.device)
+        if old and old.keys() == new.keys():
+            new = {k: None if v is None else torch.cat([old[k], v], dim=1) for k, v in new.items()}
+        self._diag = new
 
     @torch.no_grad()
     def _note_write(self, idx_w: Tensor, B: int, Tw: int) -> None:
@@ -286,6 +295,7 @@ class FwPKM(MemoryLayer):
             if d["gates"] is not None:
                 out["gate_hist"] = torch.histc(d["gates"].float(), bins=10, min=0, max=1).tolist()
                 out["gate_mean"] = d["gates"].float().mean().item()
+                out["gates"] = d["gates"]  # per token of the last call [B, T] (Fig. 6)
             trace = {"slots": d["index"], "weights": d["weights"]}
             if "writer" in d:
                 trace["writer_pos"], trace["writer_seq"] = d["writer"][..., 0], d["writer"][..., 1]

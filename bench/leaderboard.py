@@ -1,0 +1,107 @@
+"""`memzoo leaderboard`: render ``leaderboards/README.md`` and the figures from results.jsonl.
+
+Rendering reads nothing but results.jsonl, so the published tables and plots can always be
+regenerated and checked: the same file gives the same bytes (sorted rows, no clock, PNGs
+without metadata). Where a (suite, preset, layer, setting) was measured more than once, the
+latest row counts; every row's provenance stays in results.jsonl and the README lists the runs
+behind the tables.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from memzoo.bench.common import RESULTS, read_results
+
+SECTIONS = ("toys", "ppl", "niah", "cost")
+_DROP = ("config", "versions", "hardware")  # provenance kept in results.jsonl, not in the tables
+
+
+def latest(rows: list[dict]) -> list[dict]:
+    """The last row of every (suite, preset, layer, setting), in a fixed order."""
+    keep: dict[tuple, dict] = {}
+    for r in sorted(rows, key=lambda r: (r["time"], r["run_id"])):
+        keep[(r["suite"], r["preset"], r["layer"], json.dumps(r["setting"], sort_keys=True))] = r
+    return [keep[k] for k in sorted(keep)]
+
+
+def frame(rows: list[dict]):
+    import pandas as pd
+
+    return pd.json_normalize([{k: v for k, v in r.items() if k not in _DROP} for r in rows])
+
+
+def _groups(rows: list[dict]):
+    """(suite, preset, module, DataFrame) for every suite and preset present, in order."""
+    from memzoo.bench.run import suite_module
+
+    rows = latest(rows)
+    for suite in SECTIONS:
+        for preset in sorted({r["preset"] for r in rows if r["suite"] == suite}):
+            sub = [r for r in rows if r["suite"] == suite and r["preset"] == preset]
+            yield suite, preset, suite_module(suite), frame(sub)
+
+
+def suite_tables(rows: list[dict]):
+    """(suite, preset, title, table) for every table the rows make."""
+    for suite, preset, mod, df in _groups(rows):
+        for title, table in mod.tables(df).items():
+            yield suite, preset, title, table
+
+
+def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Path | None = None) -> list[Path]:
+    """Write README.md and the PNGs next to results.jsonl (or into `out_dir`); return the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    results = Path(results)
+    out = Path(out_dir) if out_dir else results.parent
+    rows = read_results(results)
+    if not rows:
+        raise FileNotFoundError(f"no results in {results}: run `memzoo bench` first")
+    written, lines = [], [
+        "# memzoo leaderboard",
+        "",
+        f"Rendered by `memzoo leaderboard` from `{RESULTS}` ({len(rows)} rows) and nothing else; every number",
+        "below was measured by `memzoo bench` (the runs are listed at the end, each row's full config,",
+        "versions and hardware are in the JSONL). Where a setting was measured more than once, the latest",
+        "row is shown.",
+        "",
+    ]
+    for suite, preset, mod, df in _groups(rows):
+        lines += [f"## {suite} — preset `{preset}`", ""]
+        doc = (mod.__doc__ or "").strip().split("\n\n")[0]
+        lines += [doc, ""]
+        for title, table in mod.tables(df).items():
+            lines += [f"**{title}**", "", table.to_markdown(), ""]
+        note = getattr(mod, "EXPLANATION", None)
+        if note:
+            lines += [note.strip(), ""]
+        for path in mod.figures(df, out / "figures" / preset):
+            written.append(path)
+            lines += [f"![{path.stem}]({path.relative_to(out).as_posix()})", ""]
+    lines += ["## Runs", "", *_runs_table(rows), ""]
+    readme = out / "README.md"
+    readme.write_text("\n".join(lines))
+    return [readme, *written]
+
+
+def _runs_table(rows: list[dict]) -> list[str]:
+    runs: dict[str, dict] = {}
+    for r in rows:
+        d = runs.setdefault(r["run_id"], {**r, "rows": 0, "wall_s": 0.0, "suites": set(), "layers": set()})
+        d["rows"] += 1
+        d["wall_s"] += r["wall_s"]
+        d["suites"].add(r["suite"])
+        d["layers"].add(r["layer"])
+    out = ["| run | preset | seed | git sha | hardware | torch | suites | layers | rows | measured s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for rid in sorted(runs):
+        d = runs[rid]
+        hw = d["hardware"].get("gpu") or f"{d['hardware']['cpu']} ({d['hardware']['threads']} threads)"
+        out.append(
+            f"| {rid} | {d['preset']} | {d['seed']} | {d['git_sha'][:12]} | {hw} | {d['versions'].get('torch')} | "
+            f"{', '.join(sorted(d['suites']))} | {len(d['layers'])} | {d['rows']} | {d['wall_s']:.0f} |"
+        )
+    return out

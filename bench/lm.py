@@ -1,0 +1,97 @@
+"""The language model the ppl and niah suites share: one per (preset, layer, seed).
+
+Every layer's LM is the preset's backbone with that layer plugged in, trained with the
+preset's `lm:` settings on the same batches: the training split of the corpus, without
+Shakespeare's Sonnets (the ppl suite's short-document corpus, so it stays unseen). For the
+tiny preset a fraction `niah.train_mix` of the training windows are needle samples (a short
+haystack with key-value needles and a question, `memzoo.data.niah.NeedleMix`): a 1M-parameter
+model trained for minutes never meets the question format in plain text, so without them the
+NIAH numbers would measure nothing. The paper preset trains on plain text (train_mix 0).
+
+A trained LM is cached under ``<work_dir>/lm/<layer>-<hash>/`` (the hash covers the model,
+the training settings, the mixture and the seed), so the suites of one run, and later runs
+with the same settings, train it once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from memzoo.backbone.model import HybridLM
+from memzoo.bench.common import Context, config_hash, lm_train_config, model_config
+from memzoo.config import RunConfig
+
+HELD_OUT_TITLES = ("Sonnets",)  # the ppl suite's short-document corpus comes from these
+_loaded: dict[str, tuple[HybridLM, dict]] = {}
+
+
+def lm_config(ctx: Context, layer: str) -> tuple[RunConfig, float, str]:
+    """The run config of `layer`'s LM, its needle fraction, and the cache key."""
+    from memzoo.bench import niah
+
+    mix = ctx.preset.settings(niah.NAME, niah.Settings).train_mix
+    tc = lm_train_config(ctx.preset, seed=ctx.seed, device=ctx.device)
+    rc = RunConfig(model_config(ctx.preset, layer), tc)
+    key = config_hash({**rc.to_dict(), "train_mix": mix, "held_out": HELD_OUT_TITLES, "version": 1})
+    rc.train.out_dir = str(Path(ctx.work_dir) / "lm" / f"{layer}-{key}")
+    return rc, mix, key
+
+
+def lm_data(rc: RunConfig, mix: float):
+    """(training stream, validation batches, unigram entropy) for `train(rc, data=...)`."""
+    from memzoo.data import LMStream, get_tokenizer, load_corpus, split_documents, tokenize_corpus, unigram_entropy
+    from memzoo.data.niah import NeedleMix
+
+    tc = rc.train
+    tok = get_tokenizer(tc.tokenizer)
+    splits = split_documents(load_corpus(tc.corpus), seed=tc.seed)
+    train_ds = splits["train"].filter(lambda r: r["title"] not in HELD_OUT_TITLES)
+    train_docs = tokenize_corpus(train_ds, tok)
+    stream = LMStream(train_docs, tc.seq_len, seed=tc.seed)
+    if mix > 0:
+        stream = NeedleMix(stream, list(train_ds["text"]), tok, tc.seq_len, mix=mix, seed=tc.seed)
+    val_docs = tokenize_corpus(splits["validation"], tok)
+    val = LMStream(val_docs, tc.seq_len, seed=10_000 + tc.seed)
+    val_batches = [val.batch(i, tc.batch_size) for i in range(tc.eval_batches)]
+    return stream, val_batches, unigram_entropy(torch.cat(val_docs), tok.vocab_size)
+
+
+def shared_lm(ctx: Context, layer: str) -> tuple[HybridLM, dict]:
+    """`layer`'s trained LM (eval mode) and what its training did (losses, steps, wall time).
+    Persistent fast weights (FwPKM's) are those at the end of training; callers that change
+    them restore a snapshot."""
+    from memzoo.train import train
+
+    rc, mix, key = lm_config(ctx, layer)
+    if key in _loaded:
+        return _loaded[key]
+    out = Path(rc.train.out_dir)
+    done = out / "lm.json"
+    if done.exists():
+        info = json.loads(done.read_text())
+        model = HybridLM(rc.model).to(ctx.device)
+        model.load_state_dict(torch.load(out / "model.pt", map_location=ctx.device, weights_only=True))
+    else:
+        t0 = time.time()
+        result = train(rc, data=lm_data(rc, mix), progress=ctx.progress)
+        model = result["model"]
+        info = {
+            "train_loss": result["train_loss"],
+            "val_loss": result["val_loss"],
+            "unigram_entropy": result["unigram_entropy"],
+            "steps": result["step"],
+            "train_wall_s": round(time.time() - t0, 1),
+            "params": sum(p.numel() for p in model.parameters()),
+            "train_mix": mix,
+            "config": {**rc.to_dict(), "train_mix": mix},
+        }
+        torch.save(model.state_dict(), out / "model.pt")
+        (out / "ckpt.pt").unlink(missing_ok=True)  # the optimizer state is not needed again
+        done.write_text(json.dumps(info, indent=1))
+    model.eval()
+    _loaded[key] = (model, info)
+    return model, info
