@@ -397,3 +397,33 @@ def test_memorization(name):
     if cls.iterative:
         mse2, acc2 = retrieval(recall(layer, x_write, x_query, n_writes=2).detach(), vals)
         assert mse2 < mse1, f"{msg}; iterative layer: mse after two writes {mse2:.4f} is not below one write"
+
+
+# ---- one_chunk: the update chunk stretched over streamed calls (n-iter NIAH) ------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_one_chunk_equals_one_long_chunk(name):
+    """Inside `one_chunk`, calls of any lengths read with the entry state and the exit writes
+    everything as one chunk: equal to one forward with chunk_size = the total length."""
+    layer = make_layer(name)
+    if layer.inclusive or layer.chunk_size is None or layer.needs_targets:
+        with pytest.raises(TypeError, match="one_chunk"):
+            with layer.one_chunk():
+                pass
+        return
+    b = batch(layer, 2)
+    T = 3 * layer.chunk_size + 5
+    x = torch.randn(b, T, D, dtype=torch.float64)
+    layer.reset(b)
+    start = {k: v.clone() for k, v in layer.state.items()}
+    C = layer.chunk_size
+    layer.chunk_size = T
+    y_ref = layer(x)
+    end_ref = {k: v.clone() for k, v in layer.state.items()}
+    layer.chunk_size = C
+    layer.load_state(start)
+    with layer.one_chunk():
+        y = torch.cat([layer(x[:, :7]), layer(x[:, 7 : C + 9]), layer(x[:, C + 9 :])], dim=1)
+    assert layer.chunk_size == C
+    torch.testing.assert_close(y, y_ref, **F64)
+    for k in end_ref:
+        torch.testing.assert_close(layer.state[k].double(), end_ref[k].double(), **F64)

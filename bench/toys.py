@@ -1,0 +1,383 @@
+"""The toys suite: in-context recall on synthetic tasks, and how it grows with the state.
+
+Two tasks, each learned from scratch by a small LM (the preset's backbone, ``n_layers`` = 2,
+the memory layer at ``at``), for every width in ``widths`` and every learning rate in ``lrs``:
+
+- ``mqar``: multi-query associative recall (Zoology, Arora et al. 2023, Sec. 3;
+  :mod:`memzoo.data.mqar`): keys from the first half of the vocabulary, values from the second,
+  queries placed with power-law spacing, accuracy on the labelled (query) positions. Training
+  batches mix every count of ``mqar_kv`` in equal parts; each count is evaluated on its own
+  held-out batches, so accuracy is sliced by the number of key-value pairs.
+- ``ar``: Ba et al.'s associative retrieval (2016, Sec. 4.1; :mod:`memzoo.data.assoc_retrieval`),
+  ``c9k8j3f1??c -> 9``, with the LM's prediction at the last position as the answer (the only
+  labelled position). Training steps cycle through ``ar_pairs``; each is evaluated on its own.
+
+A (layer, task, width) row reports the best learning rate's accuracy (chosen by the mean over
+kv counts on the held-out sets, as Zoology reports the best of its sweep) and every learning
+rate's mean, so a reader sees how sensitive the layer was. Chance is 1/10 for ``ar`` (ten
+digits) and about 1/n for ``mqar`` with n pairs for a model that has learned to answer with one
+of the sequence's values.
+
+State size (the x axis of the capacity curve) is the recurrent state one sequence carries,
+in numbers: every GDN mixer's matrix (heads × head_dim²) plus the memory layer's fast weights
+(`fast_weight_numel()` after a forward). FwPKM and FwMLP as the paper trains them share one
+memory across the batch and keep it across sequences; their whole memory is counted, which
+overstates what one sequence can use of it. Short-convolution caches are not counted.
+
+Sizes. The preset's backbone is scaled to each width: ``d_model`` = w, the FFN at the preset's
+ratio, the GDN heads as in the preset with head size w / heads (so the GDN state grows as w²).
+The memory layers keep the preset's options (sized for d_model = 128, so most of them do not
+grow with w) with ``layer_options`` merged over them. The tiny default shortens the update
+chunk of the chunk-level layers (FwPKM, FwMLP, LaCT, FWL) to 8 tokens: with the preset's
+64-256 a sequence of 64 (MQAR) or 11-19 tokens (AR) is one chunk, read before it is written,
+so the layer could never recall a pair of its own sequence. With 8, pairs written in one chunk
+are readable from the next one on; a query in the same chunk as its pair (MQAR's power-law
+spacing puts many right after the pairs) still has only the GDN mixers to recall it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from tqdm.auto import tqdm
+
+from memzoo.backbone.model import HybridLM
+from memzoo.bench.common import BASELINE, Context, save_png
+from memzoo.config import ConfigError, ModelConfig
+from memzoo.data import assoc_retrieval as ar
+from memzoo.data import mqar
+from memzoo.train import lr_at, param_groups
+
+NAME = "toys"
+TASKS = ("mqar", "ar")
+
+
+def _short_chunks() -> dict:
+    return {name: {"chunk_size": 8} for name in ("fwpkm", "fwmlp", "lact", "fwl")}
+
+
+@dataclass
+class Settings:
+    tasks: list = field(default_factory=lambda: list(TASKS))
+    widths: list = field(default_factory=lambda: [32, 64])  # d_model of each model; >= 2 for a curve
+    n_layers: int = 2
+    at: str = "last"  # where the memory layer goes ("last" = block 1 of 2)
+    layer_options: dict = field(default_factory=_short_chunks)  # per layer, merged over the preset's
+    lrs: list = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])
+    steps: int = 200
+    batch_size: int = 32
+    warmup: int = 10
+    min_lr_ratio: float = 0.1  # cosine from lr down to lr * this
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_size: int = 256  # held-out sequences per kv count / n_pairs
+    # MQAR (zoology's multiquery_ar)
+    mqar_vocab: int = 256
+    mqar_seq_len: int = 64
+    mqar_kv: list = field(default_factory=lambda: [2, 4, 8, 16])
+    power_a: float = 0.01
+    # Ba's associative retrieval
+    ar_pairs: list = field(default_factory=lambda: [2, 4, 8])
+
+    def check(self) -> None:
+        bad = sorted(set(self.tasks) - set(TASKS))
+        if bad or not self.tasks:
+            raise ConfigError(f"toys.tasks: unknown or empty {bad or self.tasks}; valid tasks: {', '.join(TASKS)}")
+        for name in ("widths", "lrs", "mqar_kv", "ar_pairs"):
+            if not getattr(self, name):
+                raise ConfigError(f"toys.{name} is empty")
+        for n in self.mqar_kv:
+            try:
+                mqar.check_sizes(n, self.mqar_seq_len, self.mqar_vocab)
+            except ValueError as e:
+                raise ConfigError(f"toys.mqar_kv: {e}") from None
+        for n in self.ar_pairs:
+            if not 1 <= n <= ar.MAX_PAIRS:
+                raise ConfigError(f"toys.ar_pairs: {n} is not in 1..{ar.MAX_PAIRS}")
+        if self.steps < 1 or self.batch_size < 1 or self.eval_size < 1:
+            raise ConfigError("toys.steps, batch_size and eval_size must be >= 1")
+
+
+# ---- models --------------------------------------------------------------------------------
+
+
+def toy_config(ctx_preset, layer: str, width: int, vocab_size: int, s: Settings) -> ModelConfig:
+    """The preset's backbone scaled to `width` and `s.n_layers` blocks, with `layer` at `s.at`
+    and the preset's options for it, `s.layer_options[layer]` merged over them."""
+    b = ctx_preset.backbone
+    ref = ModelConfig.from_dict(b)
+    scale = width / ref.d_model
+    base = {
+        **b,
+        "vocab_size": vocab_size,
+        "d_model": width,
+        "n_layers": s.n_layers,
+        "ffn_dim": max(1, round(ref.ffn_dim * scale)),
+        "gdn_head_dim": max(1, width // ref.gdn_heads),
+        "attn_head_dim": max(1, width // ref.attn_heads),
+    }
+    if layer == BASELINE:
+        return ModelConfig.from_dict(base)
+    spec = ctx_preset.layers.get(layer)
+    opts = {**(spec.options if spec else {}), **(s.layer_options.get(layer) or {})}
+    mixers = base.get("layout", "GDN").split("|")[0].strip()
+    return ModelConfig.from_dict({**base, "layout": f"{mixers} | {layer}@{s.at}", "memory": {layer: opts}})
+
+
+def state_size(model: HybridLM) -> dict:
+    """Recurrent state of one sequence, in numbers (call after a forward so every memory has
+    its state): GDN matrices and memory fast weights."""
+    gdn = sum(b.mixer.h * b.mixer.d * b.mixer.d for b in model.blocks if b.kind == "GDN")
+    mem = sum(m.fast_weight_numel() for m in model.memories())
+    shared = any(not m.per_sequence for m in model.memories())
+    return {"gdn_state": gdn, "mem_state": mem, "state_size": gdn + mem, "state_shared": shared}
+
+
+# ---- data ----------------------------------------------------------------------------------
+
+
+def _ar_targets(b: ar.AssocBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ba's task as an LM batch: the answer is the prediction at the last position (the query)."""
+    t = torch.full_like(b.tokens, mqar.IGNORE)
+    t[:, -1] = b.answer
+    return b.tokens, t
+
+
+class Task:
+    """Training batches (a pure function of the generator) and the held-out sets of one task."""
+
+    def __init__(self, name: str, s: Settings, seed: int):
+        self.name, self.s = name, s
+        self.vocab = s.mqar_vocab if name == "mqar" else ar.VOCAB_SIZE
+        self.slices = list(s.mqar_kv if name == "mqar" else s.ar_pairs)
+        # held-out sets: their own generators, never shared with training draws
+        self.held_out = {n: self._make(s.eval_size, n, torch.Generator().manual_seed(10_007 * (seed + 1) + n))
+                         for n in self.slices}
+
+    def _make(self, size: int, n: int, g: torch.Generator):
+        s = self.s
+        if self.name == "mqar":
+            return tuple(mqar.make_batch(size, n, s.mqar_seq_len, s.mqar_vocab, s.power_a, g))
+        return _ar_targets(ar.make_batch(size, n, g))
+
+    def batch(self, step: int, g: torch.Generator):
+        s = self.s
+        if self.name == "mqar":  # every kv count in each batch
+            return tuple(mqar.mixed_batch(s.batch_size, self.slices, s.mqar_seq_len, s.mqar_vocab, s.power_a, g))
+        return self._make(s.batch_size, self.slices[step % len(self.slices)], g)  # lengths differ: cycle
+
+
+# ---- training and evaluation ---------------------------------------------------------------
+
+
+def train_one(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, bar=None) -> tuple[HybridLM, float]:
+    """AdamW, warmup then cosine, `s.steps` steps from seed `seed`. Returns the model and the
+    mean training loss of the last tenth of the steps."""
+    torch.manual_seed(seed)
+    model = HybridLM(mc)
+    tc = SimpleNamespace(lr=lr, min_lr=lr * s.min_lr_ratio, warmup=s.warmup, steps=s.steps, weight_decay=s.weight_decay)
+    groups = param_groups(model, tc)
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
+    g = torch.Generator().manual_seed(seed)
+    model.train()
+    tail = []
+    for step in range(s.steps):
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(step, tc) * grp["lr_scale"]
+        x, y = task.batch(step, g)
+        loss = model(x, targets=y).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if s.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        opt.step()
+        if step >= s.steps - max(1, s.steps // 10):
+            tail.append(loss.item())
+        if bar is not None:
+            bar.update(1)
+    return model, sum(tail) / len(tail)
+
+
+@torch.no_grad()
+def evaluate(model: HybridLM, task: Task, chunk: int = 128) -> dict[int, float]:
+    """Accuracy on the labelled positions of each held-out set."""
+    model.eval()
+    out = {}
+    for n, (x, y) in task.held_out.items():
+        hits = total = 0
+        for i in range(0, len(x), chunk):
+            logits = model(x[i : i + chunk]).logits
+            mask = y[i : i + chunk] != mqar.IGNORE
+            hits += (logits.argmax(-1)[mask] == y[i : i + chunk][mask]).sum().item()
+            total += mask.sum().item()
+        out[n] = hits / total
+    return out
+
+
+def _lr_key(lr: float) -> str:
+    return f"{lr:g}"
+
+
+def run(ctx: Context, layers: list[str]) -> list[dict]:
+    """Train and evaluate every (layer, task, width, lr); record one row per (layer, task, width)."""
+    s = ctx.preset.settings(NAME, Settings)
+    s.check()
+    tasks = {t: Task(t, s, ctx.seed) for t in s.tasks}
+    per_layer = len(tasks) * len(s.widths) * len(s.lrs) * s.steps
+    rows = []
+    for layer in layers:
+        bar = tqdm(total=per_layer, desc=f"toys {layer}", unit="step", disable=not ctx.progress, dynamic_ncols=True)
+        for tname, task in tasks.items():
+            for width in s.widths:
+                mc = toy_config(ctx.preset, layer, width, task.vocab, s)
+                t0 = time.perf_counter()
+                results = {}
+                for lr in s.lrs:
+                    bar.set_postfix(task=tname, d=width, lr=_lr_key(lr))
+                    model, loss = train_one(mc, task, lr, s, ctx.seed, bar)
+                    acc = evaluate(model, task)
+                    results[lr] = (sum(acc.values()) / len(acc), acc, loss, model)
+                best = max(s.lrs, key=lambda lr: (results[lr][0], -lr))  # ties: the smaller lr
+                mean, acc, loss, model = results[best]
+                model(task.held_out[task.slices[0]][0][:2])  # a forward, so every memory holds its state
+                metrics = {
+                    "accuracy": round(mean, 4),
+                    "acc_by_kv": {str(n): round(a, 4) for n, a in acc.items()},
+                    "best_lr": best,
+                    "acc_by_lr": {_lr_key(lr): round(results[lr][0], 4) for lr in s.lrs},
+                    "train_loss": round(loss, 4),
+                    **state_size(model),
+                    "params": sum(p.numel() for p in model.parameters()),
+                    "steps": s.steps,
+                }
+                setting = {"task": tname, "d_model": width}
+                config = {
+                    "model": mc.to_dict(),
+                    "settings": dataclasses.asdict(s),
+                    "train": {"optimizer": "AdamW", "betas": [0.9, 0.98], "schedule": "warmup+cosine", "seed": ctx.seed},
+                }
+                rows.append(ctx.record(NAME, layer, setting, metrics, config, time.perf_counter() - t0))
+                if ctx.progress:
+                    tqdm.write(f"toys {layer:>8} {tname:>4} d={width:<4} acc {mean:.3f} (lr {best:g}) "
+                               f"state {metrics['state_size']}")
+        bar.close()
+    return rows
+
+
+# ---- rendering -----------------------------------------------------------------------------
+
+
+def _order(df):
+    """Rows sorted baseline first, then by layer name, then task and width."""
+    key = df["layer"].map(lambda n: (n != BASELINE, n))
+    return df.assign(_k=key).sort_values(["_k", "setting.task", "setting.d_model"], kind="stable").drop(columns="_k")
+
+
+def _slices(df, prefix: str) -> list[str]:
+    cols = [c for c in df.columns if c.startswith(prefix)]
+    return sorted(cols, key=lambda c: float(c[len(prefix):]))
+
+
+def _task_table(df, task: str, slice_name: str):
+    import pandas as pd
+
+    d = _order(df[df["setting.task"] == task])
+    d = d.dropna(axis=1, how="all")
+    cols = _slices(d, "metrics.acc_by_kv.")
+    out = pd.DataFrame({"layer": d["layer"].values, "d_model": d["setting.d_model"].astype(int).values,
+                        "state": d["metrics.state_size"].astype(int).values})
+    for c in cols:
+        out[f"{slice_name}={c.rsplit('.', 1)[1]}"] = d[c].round(3).values
+    out["mean"] = d["metrics.accuracy"].round(3).values
+    out["best lr"] = d["metrics.best_lr"].map(lambda x: f"{x:g}").values
+    return out.reset_index(drop=True)
+
+
+def tables(df) -> dict:
+    """MQAR accuracy by kv pairs, AR accuracy by pairs, state size and learning-rate sweep."""
+    import pandas as pd
+
+    out = {}
+    if (df["setting.task"] == "mqar").any():
+        out["MQAR accuracy by key-value pairs (best lr)"] = _task_table(df, "mqar", "kv")
+    if (df["setting.task"] == "ar").any():
+        out["Ba's associative retrieval accuracy by pairs (best lr)"] = _task_table(df, "ar", "pairs")
+    d = _order(df[df["setting.task"] == df["setting.task"].min()])  # sizes are per width, not per task
+    out["Recurrent state per sequence (numbers)"] = pd.DataFrame({
+        "layer": d["layer"].values,
+        "d_model": d["setting.d_model"].astype(int).values,
+        "GDN state": d["metrics.gdn_state"].astype(int).values,
+        "memory state": d["metrics.mem_state"].astype(int).values,
+        "total": d["metrics.state_size"].astype(int).values,
+        "shared memory": d["metrics.state_shared"].map(lambda x: "yes" if x else "no").values,
+        "params": d["metrics.params"].astype(int).values,
+    }).reset_index(drop=True)
+    d = _order(df)
+    lr_cols = _slices(d, "metrics.acc_by_lr.")
+    sweep = pd.DataFrame({"layer": d["layer"].values, "task": d["setting.task"].values,
+                          "d_model": d["setting.d_model"].astype(int).values})
+    for c in lr_cols:
+        sweep[f"lr={c[len('metrics.acc_by_lr.'):]}"] = d[c].round(3).values
+    out["Mean accuracy per learning rate"] = sweep.reset_index(drop=True)
+    return out
+
+
+def _layer_order(names) -> list[str]:
+    return sorted(set(names), key=lambda n: (n != BASELINE, n))
+
+
+def figures(df, out_dir: Path) -> list[Path]:
+    """toys_mqar_capacity.png (accuracy vs state size, a line per layer) and
+    toys_mqar_by_kv.png (accuracy vs kv pairs, a panel per width)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    paths = []
+    m = df[df["setting.task"] == "mqar"]
+    if m.empty:
+        return paths
+    order = _layer_order(m["layer"])
+    palette = dict(zip(order, sns.color_palette("tab10", len(order))))
+
+    cap = _order(m)[["layer", "metrics.state_size", "metrics.accuracy"]].rename(
+        columns={"metrics.state_size": "state", "metrics.accuracy": "accuracy"})
+    cap = cap.sort_values(["layer", "state"], kind="stable")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    sns.lineplot(data=cap, x="state", y="accuracy", hue="layer", hue_order=order, palette=palette,
+                 marker="o", sort=True, ax=ax)
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("recurrent state per sequence (numbers, log)")
+    ax.set_ylabel("MQAR accuracy (mean over kv counts)")
+    ax.set_title("MQAR capacity curves")
+    fig.tight_layout()
+    paths.append(save_png(fig, Path(out_dir) / "toys_mqar_capacity.png"))
+
+    cols = _slices(m, "metrics.acc_by_kv.")
+    d = _order(m)
+    long = pd.DataFrame([
+        {"layer": r["layer"], "d_model": int(r["setting.d_model"]), "kv pairs": int(c.rsplit(".", 1)[1]),
+         "accuracy": r[c]}
+        for _, r in d.iterrows() for c in cols if not pd.isna(r[c])
+    ])
+    widths = sorted(long["d_model"].unique())
+    fig, axes = plt.subplots(1, len(widths), figsize=(4.5 * len(widths), 4), sharey=True, squeeze=False)
+    for ax, w in zip(axes[0], widths):
+        sns.lineplot(data=long[long["d_model"] == w], x="kv pairs", y="accuracy", hue="layer", hue_order=order,
+                     palette=palette, marker="o", ax=ax)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"MQAR, d_model={w}")
+    fig.tight_layout()
+    paths.append(save_png(fig, Path(out_dir) / "toys_mqar_by_kv.png"))
+    return paths

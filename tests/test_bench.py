@@ -1,0 +1,128 @@
+"""The bench harness: presets, layer/suite validation, recording with provenance, the ppl
+protocol, deterministic leaderboard rendering, `memzoo inspect`. The suites' own numerics are
+tested in test_toys.py, test_niah.py and test_cost.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from memzoo.bench.common import BASELINE, Context, Recorder, check_layers, load_preset, model_config, read_results
+from memzoo.cli import main
+from memzoo.config import ConfigError
+from memzoo.registry import layer_names
+
+MICRO = {
+    "backbone": {"layout": "GDN", "vocab_size": 257, "d_model": 32, "n_layers": 2, "ffn_dim": 64,
+                 "gdn_heads": 2, "gdn_head_dim": 16},
+    "layers": {"fwpkm": {"at": "1", "options": {"key_dim": 16, "value_dim": 16, "n_subkeys": 8, "topk": 2,
+                                                "chunk_size": 16}}},
+    "lm": {"corpus": "shakespeare", "tokenizer": "byte", "seq_len": 32, "batch_size": 2, "steps": 3,
+           "warmup": 1, "eval_every": 3, "eval_batches": 1, "ckpt_every": 100},
+    "ppl": {"seq_len": 32, "max_tokens": 96},
+    "niah": {"train_mix": 0.5},
+}
+
+
+@pytest.fixture
+def micro(tmp_path):
+    path = tmp_path / "micro.yaml"
+    path.write_text(yaml.safe_dump(MICRO))
+    return path
+
+
+def test_every_registered_layer_builds_in_both_presets():
+    for preset in ("tiny", "paper"):
+        p = load_preset(preset)
+        for layer in [BASELINE, *layer_names()]:
+            mc = model_config(p, layer)
+            assert (layer == BASELINE) == ("|" not in mc.layout)
+
+
+def test_unknown_names_are_one_clear_error(capsys):
+    with pytest.raises(ConfigError, match="valid layers: .*fwpkm"):
+        check_layers(["fwpkm", "nope"])
+    assert main(["bench", "--layers", "fwpkm,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown layer 'nope'" in err and "lact" in err
+    assert main(["bench", "--layers", "fwpkm", "--suite", "ppl,speed"]) == 2
+    assert "unknown suite(s) 'speed'; valid suites: cost, toys, ppl, niah" in capsys.readouterr().err
+    assert main(["bench", "--preset", "huge"]) == 2
+    assert "shipped presets: paper, tiny" in capsys.readouterr().err
+
+
+def test_preset_rejects_unknown_keys(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**MICRO, "layers": {"fwpkm": {"where": "1"}}}))
+    with pytest.raises(ConfigError, match="unknown key 'where'"):
+        load_preset(bad)
+    bad.write_text(yaml.safe_dump({**MICRO, "speed": {}}))
+    with pytest.raises(ConfigError, match="unknown section"):
+        load_preset(bad)
+
+
+def test_recorder_appends_rows_with_provenance(tmp_path):
+    rec = Recorder(tmp_path, "tiny", 3)
+    rec.add("ppl", "fwpkm", {"corpus": "c"}, {"loss": 1.5}, {"model": {"d": 1}}, 0.25)
+    rec.add("ppl", BASELINE, {"corpus": "c"}, {"loss": 1.7}, {"model": {"d": 2}}, 0.5)
+    rows = read_results(tmp_path / "results.jsonl")
+    assert [r["layer"] for r in rows] == ["fwpkm", BASELINE]
+    for r in rows:
+        for key in ("config", "config_hash", "seed", "git_sha", "versions", "hardware", "wall_s", "run_id", "time"):
+            assert key in r, key
+        assert r["versions"]["torch"] == torch.__version__
+    assert rows[0]["config_hash"] != rows[1]["config_hash"]
+
+
+def test_ppl_protocol(micro, tmp_path):
+    """The baseline has no memory: carried and reset evaluation agree exactly. FwPKM's carried
+    memory changes the loss, and evaluation leaves the trained memory as it was."""
+    from memzoo.bench import ppl
+    from memzoo.bench.lm import shared_lm
+
+    ctx = Context(load_preset(micro), 0, Recorder(tmp_path, "micro", 0), tmp_path / "work", progress=False)
+    rows = ppl.run(ctx, [BASELINE, "fwpkm"])
+    loss = {(r["layer"], r["setting"]["corpus"], r["setting"]["mode"]): r["metrics"]["loss"] for r in rows}
+    for corpus in ("shakespeare", "sonnets"):
+        assert loss[(BASELINE, corpus, "carry")] == loss[(BASELINE, corpus, "reset")]
+        assert loss[("fwpkm", corpus, "carry")] != loss[("fwpkm", corpus, "reset")]
+    assert all(math.isfinite(v) and r["metrics"]["tokens"] == 96 for r, v in zip(rows, loss.values()))
+    model, _ = shared_lm(ctx, "fwpkm")
+    before = {k: v.clone() for k, v in model.memories()[0].state.items()}
+    ppl.eval_corpus(model, [torch.arange(80) % 50], ppl.Settings(seq_len=32), "carry", "cpu")
+    for k, v in model.memories()[0].state.items():
+        assert torch.equal(v, before[k])
+
+
+def test_leaderboard_renders_byte_for_byte(micro, tmp_path):
+    out = tmp_path / "lb"
+    assert main(["bench", "--layers", "fwpkm", "--suite", "ppl", "--preset", str(micro), "--out", str(out),
+                 "--work-dir", str(tmp_path / "work"), "--quiet"]) == 0
+    assert main(["leaderboard", "--out", str(out)]) == 0
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "results.jsonl")
+    assert {p.name for p in files} >= {"README.md", "ppl.png", "ppl_gates.png"}
+    first = {p: p.read_bytes() for p in files}
+    for p in files:
+        p.unlink()
+    assert main(["leaderboard", "--out", str(out)]) == 0
+    assert {p: p.read_bytes() for p in files} == first
+    readme = (out / "README.md").read_text()
+    assert "## ppl" in readme and "| fwpkm" in readme and "| baseline" in readme
+
+
+def test_inspect_prints_gates_and_trace(micro, tmp_path):
+    from memzoo.bench.lm import lm_config, shared_lm
+    from memzoo.inspect import inspect_text
+
+    ctx = Context(load_preset(micro), 0, Recorder(tmp_path, "micro", 0), tmp_path / "work", progress=False)
+    shared_lm(ctx, "fwpkm")
+    rc, _, _ = lm_config(ctx, "fwpkm")
+    text = "To be, or not to be, that is the question. " * 3
+    out = inspect_text(rc.train.out_dir, text, top=2)
+    assert "== memory 0: FwPKM ==" in out and "gate 0." in out
+    assert "written by token" in out  # reads after the first 16-token chunk see what wrote the slots
+    json.dumps(out)
