@@ -66,10 +66,10 @@ def shared_lm(ctx: Context, layer: str) -> tuple[HybridLM, dict]:
     them restore a snapshot."""
     from memzoo.train import train
 
-    rc, mix, key = lm_config(ctx, layer)
-    if key in _loaded:
-        return _loaded[key]
+    rc, mix, _ = lm_config(ctx, layer)
     out = Path(rc.train.out_dir)
+    if str(out) in _loaded:
+        return _loaded[str(out)]
     done = out / "lm.json"
     if done.exists():
         info = json.loads(done.read_text())
@@ -93,5 +93,5 @@ def shared_lm(ctx: Context, layer: str) -> tuple[HybridLM, dict]:
         (out / "ckpt.pt").unlink(missing_ok=True)  # the optimizer state is not needed again
         done.write_text(json.dumps(info, indent=1))
     model.eval()
-    _loaded[key] = (model, info)
+    _loaded[str(out)] = (model, info)
     return model, info

@@ -21,7 +21,7 @@ MICRO = {
                  "gdn_heads": 2, "gdn_head_dim": 16},
     "layers": {"fwpkm": {"at": "1", "options": {"key_dim": 16, "value_dim": 16, "n_subkeys": 8, "topk": 2,
                                                 "chunk_size": 16}}},
-    "lm": {"corpus": "shakespeare", "tokenizer": "byte", "seq_len": 32, "batch_size": 2, "steps": 3,
+    "lm": {"corpus": "shakespeare", "tokenizer": "byte", "seq_len": 96, "batch_size": 2, "steps": 3,
            "warmup": 1, "eval_every": 3, "eval_batches": 1, "ckpt_every": 100},
     "ppl": {"seq_len": 32, "max_tokens": 96},
     "niah": {"train_mix": 0.5},
