@@ -1,0 +1,358 @@
+"""cost: parameters, FLOPs of one training step and measured throughput, as in the FwPKM paper's
+Table 2 (Sec. 6), for the baseline and every layer on the preset's backbone; with the paper
+preset also for the 16 Table 2 configs beside the paper's own figures.
+
+Per model: parameters (as Table 2 counts them: FwPKM's shared fast weights included), FLOPs of
+one training step of `batch` × `seq_len` tokens counted two ways on the meta device
+(:mod:`memzoo.ops.flops`: the Table-2 accounting and the full count), and, where measured, the
+throughput of real training steps (forward, backward, AdamW) on the machine it runs on:
+samples/s, tokens/s, achieved FLOP/s (full count / step time) and that as a fraction of the
+machine's measured dense-matmul peak (fp32 on CPU, bf16 on CUDA, where steps run under bf16
+autocast as the paper trains). At the paper preset throughput is measured on CUDA only (8 × 4096
+tokens of a 500 M-parameter model is no CPU job); on CPU the paper rows are counted only.
+
+    memzoo bench --suite cost --layers fwpkm,mom,lact          # tiny: 8 × 256 tokens on this CPU
+    memzoo bench --suite cost --preset paper                   # Table 2's 16 rows beside the paper
+    memzoo bench --suite cost --preset paper --device cuda     # ... and measured at 8 × 4096
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from memzoo.bench.common import BASELINE, Context, device_name, lm_train_config, model_config, save_png
+
+NAME = "cost"
+
+EXPLANATION = """\
+**The two FLOPs columns.** *Table-2 style* is the paper's accounting, which we reconstructed and
+checked against all 16 rows of its Table 2: 6 × (counted parameters) × tokens for one step of
+8 × 4096 tokens, where every slow parameter counts once per token (2 FLOPs per multiply-add
+forward, 4 backward) except PKM's value tables, which a token reads only k rows of; FwPKM's
+sub-keys and values are fast weights and are not counted, PKM's sub-keys are (scoring them is a
+dense product). Nothing else is in it: not the softmax-attention scores, not the gated delta
+rule's recurrence, not FwPKM's lookup and write. *Full* counts what one training step computes:
+the same step run on the meta device under torch's FlopCounterMode (every matmul, the GDN chunked
+recurrence's products and triangular solves, product-key scoring, the fast-weight updates) plus
+formulas for what it misses: attention over exactly the (query, key) pairs the causal or
+sliding-window mask keeps, embedding-bag sums, index_add / scatter_add writes, and grouped
+convolutions' backward. Full exceeds Table-2 style by the attention (large for FA layers at 4096
+tokens, small for SWA's 512 window), the GDN recurrence and the memory layers' own work
+(lookups, fast-weight updates, FWL's per-position loss gradients through the LM head); for a
+routed layer (MoM) Table-2 style charges every memory's projections to every token, while the
+full count runs each memory on its routed tokens only (counted at balanced routing).
+Elementwise ops, top-k and the optimizer are in neither. Achieved FLOP/s and MFU use the full
+count; the paper's FLOPS column is its FLOPs over its step time, i.e. Table-2 style."""
+
+
+@dataclass
+class Settings:
+    batch: int = 8  # sequences per training step (Table 2: 8)
+    seq_len: int = 256  # tokens per sequence (Table 2: 4096)
+    warmup: int = 1  # untimed training steps before the timed ones
+    steps: int = 3  # timed training steps (forward, backward, AdamW)
+    cpu_throughput: bool = True  # time steps on CPU too (off for the paper preset: count only)
+    amp: bool = True  # bf16 autocast on CUDA (the paper trains in bf16); CPU steps run in fp32
+    configs: list = field(default_factory=list)  # shipped configs with `paper:` figures (Table 2's rows)
+
+    def __post_init__(self):
+        for k in ("batch", "seq_len", "steps"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"cost.{k} must be >= 1, got {getattr(self, k)}")
+        if self.warmup < 0:
+            raise ValueError(f"cost.warmup must be >= 0, got {self.warmup}")
+
+
+# ---- measuring ------------------------------------------------------------------------------
+
+
+@functools.cache
+def matmul_peak(device: str = "cpu", threads: int = 0, n: int | None = None, repeats: int = 5) -> float:
+    """Measured dense-matmul throughput (FLOP/s) of this machine: the best of `repeats` n × n
+    matmuls in the dtype training runs in, fp32 on CPU (n = 1024), bf16 on CUDA (n = 8192).
+    `threads` only keys the cache (CPU throughput depends on torch's thread count)."""
+    cuda = device.startswith("cuda")
+    n = n or (8192 if cuda else 1024)
+    dt = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(device, dt) for _ in range(2))
+    best = math.inf
+    for i in range(repeats + 1):
+        _sync(device)
+        t = time.perf_counter()
+        a @ b
+        _sync(device)
+        if i:  # the first call warms up (allocation, kernel choice)
+            best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def time_training_step(mc, tc, batch: int, seq_len: int, device: str, warmup: int, steps: int,
+                       amp: bool = True, seed: int = 0) -> dict:
+    """Seconds per training step (forward + backward of the LM loss, gradient clipping, AdamW:
+    what memzoo.train does per micro-batch) of a fresh model on random tokens, averaged over
+    `steps` steps after `warmup` untimed ones; with the peak memory on CUDA."""
+    from memzoo.backbone.model import HybridLM
+    from memzoo.train import param_groups
+
+    torch.manual_seed(seed)
+    model = HybridLM(mc).to(device).train()
+    opt = torch.optim.AdamW(param_groups(model, tc), lr=tc.lr, betas=tuple(tc.betas))
+    gen = torch.Generator().manual_seed(seed)
+    x, y = (torch.randint(0, mc.vocab_size, (batch, seq_len), generator=gen).to(device) for _ in range(2))
+    cuda = device.startswith("cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and amp)
+
+    def step():
+        with autocast:
+            loss = model(x, targets=y).loss
+        loss.backward()
+        if tc.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    out = {"step_s": (time.perf_counter() - t) / steps}
+    if cuda:
+        out["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        del model, opt
+        torch.cuda.empty_cache()  # the next model starts from an empty cache
+    return out
+
+
+def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper: dict | None = None) -> dict:
+    """The metrics of one model: parameters, both FLOPs counts, throughput when `with_time`,
+    and the paper's figures beside ours when `paper` (a config's `paper:` section) is given."""
+    from memzoo.backbone.model import count_params
+    from memzoo.ops.flops import TABLE2_BATCH, TABLE2_SEQ_LEN, step_flops
+
+    fl = step_flops(mc, s.batch, s.seq_len, seed=seed)
+    m = {"params": count_params(mc), **fl.as_dict(), "step_shape": f"{s.batch}x{s.seq_len}", "tokens": fl.tokens}
+    if with_time:
+        try:
+            t = time_training_step(mc, tc, s.batch, s.seq_len, device, s.warmup, s.steps, s.amp, seed)
+        except torch.OutOfMemoryError:
+            t = None
+        if t is None:  # recorded as such; the counts still stand
+            m["throughput_error"] = "out of memory"
+            torch.cuda.empty_cache()
+        else:
+            peak = matmul_peak(device, torch.get_num_threads())
+            m.update(
+                step_s=t["step_s"],
+                samples_per_s=s.batch / t["step_s"],
+                tokens_per_s=fl.tokens / t["step_s"],
+                flops_per_s=fl.total / t["step_s"],
+                flops_per_s_table2=fl.table2 / t["step_s"],
+                peak_flops_per_s=peak,
+                mfu=fl.total / t["step_s"] / peak,
+                device=device_name(device),
+                amp=bool(device.startswith("cuda") and s.amp),
+            )
+            if "peak_mem_gb" in t:
+                m["peak_mem_gb"] = t["peak_mem_gb"]
+    if paper:
+        at_table2 = (s.batch, s.seq_len) == (TABLE2_BATCH, TABLE2_SEQ_LEN)
+        for ours, key, scale in (("params", "params_m", 1e6), ("flops_table2", "flops_t", 1e12),
+                                 ("flops_per_s_table2", "flops_per_s_t", 1e12), ("samples_per_s", "samples_per_s", 1)):
+            if key not in paper or (ours != "params" and not at_table2):
+                continue  # the paper's step is 8 × 4096 tokens: other shapes are not comparable
+            m[f"{ours}_paper"] = paper[key] * scale
+            if ours in m:
+                m[f"{ours}_diff_pct"] = 100 * (m[ours] - m[f"{ours}_paper"]) / m[f"{ours}_paper"]
+    return m
+
+
+def run(ctx: Context, layers: list[str]) -> list[dict]:
+    """One row per layer on the preset's backbone (setting: the step shape), then one per
+    config in `configs` (setting: the config name and the step shape)."""
+    from tqdm.auto import tqdm
+
+    from memzoo.config import load_config
+
+    s = ctx.preset.settings(NAME, Settings)
+    cuda = ctx.device.startswith("cuda")
+    timed = cuda or s.cpu_throughput
+    if not timed:
+        print(f"cost: counting only; throughput at {s.batch} x {s.seq_len} tokens is measured on CUDA "
+              "(--device cuda), or set cost.cpu_throughput: true in the preset")
+    jobs = [(layer, None) for layer in layers] + [(c, load_config(c)) for c in s.configs]
+    shape = {"batch": s.batch, "seq_len": s.seq_len}
+    rows = []
+    for name, rc in tqdm(jobs, desc="cost", disable=not ctx.progress):
+        t0 = time.time()
+        if rc is None:
+            mc, tc, setting, paper = model_config(ctx.preset, name), lm_train_config(ctx.preset), dict(shape), None
+        else:
+            mc, tc, setting, paper = rc.model, rc.train, {"config": name, **shape}, rc.paper
+        metrics = measure(mc, tc, s, ctx.device, ctx.seed, timed, paper)
+        config = {"model": mc.to_dict(), "settings": dataclasses.asdict(s), "train": tc.to_dict(),
+                  "device": ctx.device, "config": None if rc is None else name}
+        rows.append(ctx.record(NAME, name, setting, metrics, config, time.time() - t0))
+    return rows
+
+
+# ---- rendering --------------------------------------------------------------------------------
+
+
+def _col(df, key):
+    import pandas as pd
+
+    c = f"metrics.{key}"
+    return df[c] if c in df else pd.Series([float("nan")] * len(df), index=df.index)
+
+
+def _unit(df) -> tuple[str, float]:
+    top = _col(df, "flops_full").max()
+    return ("T", 1e12) if top >= 1e12 else ("G", 1e9)
+
+
+def _is_config(df):
+    import pandas as pd
+
+    return df["setting.config"].notna() if "setting.config" in df else pd.Series(False, index=df.index)
+
+
+def _sorted(df):
+    """Rows in a fixed order: baseline first, then layers by name; Table 2's configs in the
+    paper's order (backbone, then plain, PKM, FwPKM, mixed); then by step shape."""
+    keys = [_order_key(n) for n in df["layer"]]
+    shape = [(b, t) for b, t in zip(_setting(df, "batch"), _setting(df, "seq_len"))]
+    order = sorted(range(len(df)), key=lambda i: (keys[i], shape[i]))
+    return df.iloc[order]
+
+
+def _setting(df, key):
+    c = f"setting.{key}"
+    return list(df[c].fillna(0)) if c in df else [0] * len(df)
+
+
+def _order_key(name: str) -> tuple:
+    if name == BASELINE:
+        return (0, "", 0)
+    stem = name.split("/")[-1]
+    for i, tail in enumerate(("-pkm2-6-10", "-fwpkm2-6-10", "-pkm6-fwpkm2-10")):
+        if stem.endswith(tail):
+            return (1, _backbone_key(stem[: -len(tail)]), i + 1)
+    return (1, _backbone_key(stem), 0)
+
+
+def _backbone_key(stem: str) -> str:
+    rank = {"gdn": "0", "gdn-swa": "1", "gdn-fa": "2", "fa": "3"}  # Table 2's order
+    return rank.get(stem, "9" + stem)
+
+
+def _table2(df):
+    import pandas as pd
+
+    u, sc = _unit(df)
+    df = _sorted(df)
+    t = pd.DataFrame({"config": [n.split("/")[-1] for n in df["layer"]]}, index=df.index)
+    t["params (M)"] = (_col(df, "params") / 1e6).round(2)
+    t["paper (M)"] = (_col(df, "params_paper") / 1e6).round(2)
+    t["Δ params %"] = _col(df, "params_diff_pct").round(3) + 0.0  # + 0.0: no "-0"
+    t[f"FLOPs Table-2 style ({u})"] = (_col(df, "flops_table2") / sc).round(2)
+    t[f"paper ({u})"] = (_col(df, "flops_table2_paper") / sc).round(2)
+    t["Δ FLOPs %"] = _col(df, "flops_table2_diff_pct").round(3) + 0.0
+    t[f"FLOPs full ({u})"] = (_col(df, "flops_full") / sc).round(2)
+    t["full / Table-2"] = (_col(df, "flops_full") / _col(df, "flops_table2")).round(3)
+    if _col(df, "step_s").notna().any():
+        t["samples/s"] = _col(df, "samples_per_s").round(2)
+        t["paper samples/s"] = _col(df, "samples_per_s_paper").round(2)
+        t[f"FLOPS Table-2 style ({u}/s)"] = (_col(df, "flops_per_s_table2") / sc).round(2)
+        t[f"paper FLOPS ({u}/s)"] = (_col(df, "flops_per_s_table2_paper") / sc).round(2)
+        t[f"FLOPS full ({u}/s)"] = (_col(df, "flops_per_s") / sc).round(2)
+        t["MFU %"] = (100 * _col(df, "mfu")).round(1)
+        t["device"] = _col(df, "device")
+    return t.set_index("config")
+
+
+def _layers(df):
+    import pandas as pd
+
+    u, sc = _unit(df)
+    df = _sorted(df)
+    t = pd.DataFrame({"layer": df["layer"]}, index=df.index)
+    t["params (M)"] = (_col(df, "params") / 1e6).round(3)
+    t[f"FLOPs Table-2 style ({u})"] = (_col(df, "flops_table2") / sc).round(2)
+    t[f"FLOPs full ({u})"] = (_col(df, "flops_full") / sc).round(2)
+    for k, name in (("attention", "attention"), ("contractions", "other matmuls"), ("sparse", "sparse")):
+        t[f"of which {name} ({u})"] = (_col(df, f"flops_{k}") / sc).round(3)
+    t["step (B x T)"] = _col(df, "step_shape")
+    if _col(df, "step_s").notna().any():
+        t["samples/s"] = _col(df, "samples_per_s").round(2)
+        t["tokens/s"] = _col(df, "tokens_per_s").round(0)
+        t[f"achieved {u}FLOP/s"] = (_col(df, "flops_per_s") / sc).round(2)
+        t[f"peak {u}FLOP/s"] = (_col(df, "peak_flops_per_s") / sc).round(1)
+        t["MFU %"] = (100 * _col(df, "mfu")).round(2)
+        t["device"] = _col(df, "device")
+    return t.set_index("layer")
+
+
+def tables(df) -> dict:
+    """The Table 2 comparison (configs beside the paper) and the per-layer cost table."""
+    out = {}
+    cfg = _is_config(df)
+    if cfg.any():
+        out["Table 2 beside the paper: parameters, FLOPs of one training step, throughput"] = _table2(df[cfg])
+    if (~cfg).any():
+        out["Cost per layer: parameters, FLOPs of one training step, measured throughput"] = _layers(df[~cfg])
+    return out
+
+
+def figures(df, out_dir: Path) -> list[Path]:
+    """cost.png: parameters and FLOPs per model (both counts, and the paper's where known)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    if df.empty:
+        return []
+    u, sc = _unit(df)
+    df = _sorted(df).drop_duplicates("layer", keep="last")  # one bar per model: its largest step
+    short = [n.split("/")[-1] for n in df["layer"]]
+    def long(keys, value):  # one row per (model, what) with a value
+        parts = [pd.DataFrame({"model": short, value: (_col(df, k) / scale).values, "count": label})
+                 for k, label, scale in keys]
+        return pd.concat(parts).dropna()
+
+    params = long((("params", "memzoo", 1e6), ("params_paper", "paper", 1e6)), "params (M)")
+    flops = long((("flops_table2", "Table-2 style", sc), ("flops_full", "full count", sc),
+                  ("flops_table2_paper", "paper (Table 2)", sc)), f"FLOPs ({u})")
+    sns.set_theme(style="whitegrid")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, max(3.5, 0.45 * len(short) + 1.8)), sharey=True)
+    for ax, data, x, palette in ((a, params, "params (M)", ["#4C72B0", "#55A868"]),
+                                 (b, flops, f"FLOPs ({u})", ["#4C72B0", "#DD8452", "#55A868"])):
+        hues = list(dict.fromkeys(data["count"]))  # first-seen order: ours, then the paper's
+        sns.barplot(data=data, y="model", x=x, hue="count", order=short, hue_order=hues,
+                    palette=palette[: len(hues)], ax=ax)
+        ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
+    shape = _col(df, "step_shape").dropna()
+    a.set_title("parameters", pad=20)
+    b.set_title(f"FLOPs of one training step ({shape.iloc[0] if len(shape) else ''} tokens)", pad=20)
+    fig.tight_layout()
+    return [save_png(fig, Path(out_dir) / "cost.png")]

@@ -1,0 +1,431 @@
+"""niah: needle in a haystack with n-iter memorization (FwPKM Sec. 4.3, Figure 4).
+
+Samples (:mod:`memzoo.data.niah`): a haystack of held-out text (the validation documents of the
+LM's corpus) of ``length`` tokens with 5 needles "The key qzfa holds 481273." at random line
+starts, then a question for one key; exact match on the 6 answer digits.
+
+n-iter NIAH: "the model forwards the same haystack context n times before answering", and
+"FwPKM's process chunk size C is accordingly changed to the length of each haystack context
+such that it updates its memory once after reading an entire haystack". Per sample and n the
+model reads one stream
+
+    haystack, haystack, ..., haystack (n times), question, answer
+
+with batch 1. The haystack is streamed in calls of ``piece`` tokens with the cache carried (so
+activations stay bounded at 128K tokens); each pass runs inside ``one_chunk()`` of every
+chunk-level read-then-write memory (FwPKM, FwMLP, LaCT): the pieces only read, and leaving the
+pass writes the whole haystack as one chunk (C = haystack length). Token-recurrent and
+inclusive layers (MoM, linear attention, Ba) and the GDN backbone just carry their state
+across the passes. The question and answer are one teacher-forced call with the layers' own
+chunk sizes; the answer counts as correct when the argmax at every answer position is its
+digit (the same as greedy decoding of the 6 digits).
+
+The n passes of a sample are shared by its n-iter evaluations: after pass n the model's state
+(backbone cache and every memory's fast weights) is copied, the question asked, and the copy
+put back before pass n+1, so n = 1..4 cost 4 haystack reads, not 10. Before each sample,
+persistent memories (FwPKM's fast weights, shared across sequences) go back to their trained
+value, so samples never leak into each other, and they are left as trained at the end.
+`needs_targets` layers (FWL) get the next tokens of the stream as targets, except at the last
+token of a pass, whose successor (another pass or the question) is left unknown (-100) so the
+shared passes are exact for every n.
+
+Metrics per (layer, length, n_iter): ``accuracy`` (exact match), ``digit_accuracy`` (answer
+digits right), ``answer_nll`` (mean cross-entropy of the answer tokens, nats: a graded signal
+where exact matches are rare, as for minutes-trained tiny models; chance is ln 10 = 2.30 per
+digit), ``by_depth`` (accuracy per depth bucket of the queried needle; the queried
+needle's bucket is stratified over the samples so every bucket is filled), ``tokens_per_s``
+(every token read for that length, all passes and questions, over the wall time) and
+``peak_rss_gib`` (the process's peak resident memory so far).
+
+The tiny preset's LM is trained with needle windows mixed into its data (``train_mix``, see
+:class:`memzoo.data.niah.NeedleMix` and :mod:`memzoo.bench.lm`); the paper preset uses plain
+text as the paper does. Recall is learnt late: at the tiny preset's 200 LM steps the models we
+tried (the baseline and FwPKM with train_mix 0.3, the baseline even with only needle windows)
+answer at chance (exact match 0, answer NLL ~ ln 10), so there ``answer_nll`` and
+``digit_accuracy`` are the numbers to compare and exact match needs a longer-trained LM. The 128K-token check (not in the default run)::
+
+    python -m memzoo.bench.niah --layers baseline,fwpkm --lengths 131072 --samples 1 --untrained
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import resource
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from memzoo.bench.common import BASELINE, Context, save_png
+from memzoo.data.niah import NiahSample, TextSource, depth_bins, depth_label, niah_samples
+
+NAME = "niah"
+
+
+@dataclass
+class Settings:
+    lengths: list = field(default_factory=lambda: [1024, 4096])  # haystack tokens (paper: 4K, 8K, 32K, 128K); add 131072 for the 128K run
+    iters: list = field(default_factory=lambda: [1, 2, 3, 4])  # n of n-iter NIAH
+    samples: int = 12  # per length (paper: 500)
+    needles: int = 5
+    depth_buckets: int = 4  # rows of the depth x length heatmap
+    piece: int = 1024  # tokens per streamed call; a multiple of every unstretched layer's chunk (FWL's 256) streams exactly
+    stretch_chunk: bool = True  # one memory update per pass for chunk-level layers (C = haystack length)
+    train_mix: float = 0.3  # fraction of needle windows in the shared LM's training (memzoo.bench.lm)
+    seed: int = 1234  # the eval samples' seed (the same haystacks for every layer)
+
+    def __post_init__(self):
+        from memzoo.config import ConfigError
+
+        if not self.lengths or any(int(n) < 1 for n in self.lengths):
+            raise ConfigError(f"niah.lengths must be positive token counts, got {self.lengths}")
+        if not self.iters or any(int(n) < 1 for n in self.iters):
+            raise ConfigError(f"niah.iters must be integers >= 1, got {self.iters}")
+        for name in ("samples", "needles", "depth_buckets", "piece"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"niah.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.train_mix <= 1.0:
+            raise ConfigError(f"niah.train_mix must be in [0, 1], got {self.train_mix}")
+        self.lengths = sorted({int(n) for n in self.lengths})
+        self.iters = sorted({int(n) for n in self.iters})
+
+
+# ---- the protocol -------------------------------------------------------------------------------
+
+
+def stretchable(m) -> bool:
+    """A chunk-level read-then-write memory: its update chunk can span a whole pass."""
+    return m.chunk_size is not None and not m.inclusive and not m.needs_targets
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return obj
+
+
+def _snapshot(mems) -> list[dict]:
+    return [{k: v.clone() for k, v in m.state.items()} for m in mems]
+
+
+def _restore(mems, snap) -> None:
+    for m, s in zip(mems, snap):
+        m.load_state(s)
+
+
+@torch.no_grad()
+def read_and_ask(
+    model, sample: NiahSample, iters: list[int], piece: int, stretch_chunk: bool = True, device: str = "cpu"
+) -> dict[int, torch.Tensor]:
+    """The answer logits [len(answer), V] after reading the haystack n times, for each n in
+    `iters` (one stream per sample; see the module docstring). Starts new sequences (cache
+    None); persistent memories start from whatever fast weights they hold now."""
+    mems = model.memories()
+    stretch = [m for m in mems if stretch_chunk and stretchable(m)]
+    needs_t = any(m.needs_targets for m in mems)
+    hay = sample.haystack.to(device)
+    L = hay.numel()
+    hay_t = torch.cat([hay[1:], hay.new_full((1,), -100)])  # the pass's last successor is unknown
+    q, a = sample.question.to(device), sample.answer.to(device)
+    tail = torch.cat([q, a])
+    tail_in, tail_t = tail[None, :-1], tail[None, 1:]
+    cache, out = None, {}
+    for n in range(1, max(iters) + 1):
+        with contextlib.ExitStack() as stack:
+            for m in stretch:
+                stack.enter_context(m.one_chunk())
+            for s in range(0, L, piece):
+                t = hay_t[None, s : s + piece] if needs_t else None
+                cache = model(hay[None, s : s + piece], targets=t, cache=cache, use_cache=True).cache
+        if n in iters:
+            last = n == max(iters)
+            saved = None if last else (_snapshot(mems), _clone(cache))
+            res = model(tail_in, targets=tail_t if needs_t else None, cache=cache, use_cache=not last)
+            out[n] = res.logits[0, q.numel() - 1 :].float()
+            if saved is not None:
+                _restore(mems, saved[0])
+                cache = saved[1]
+    return out
+
+
+def peak_rss_gib() -> float:
+    """Peak resident memory of this process so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / 2**30 if sys.platform == "darwin" else r / 2**20
+
+
+def evaluate_niah(
+    model,
+    texts: list[str] | TextSource,
+    tokenizer,
+    s: Settings,
+    device: str = "cpu",
+    progress: bool = False,
+    desc: str = "niah",
+) -> list[dict]:
+    """n-iter NIAH of `model` on haystacks from `texts` (held-out text). Returns one
+    ``{"setting": {length, n_iter}, "metrics": {...}, "wall_s"}`` per (length, n_iter)."""
+    from tqdm.auto import tqdm
+
+    source = texts if isinstance(texts, TextSource) else TextSource(texts, tokenizer)
+    mems = model.memories()
+    for m in mems:
+        if m.chunk_size and not (s.stretch_chunk and stretchable(m)) and s.piece % m.chunk_size:
+            warnings.warn(f"niah.piece={s.piece} is not a multiple of {m.name}'s chunk size {m.chunk_size}: "
+                          "its updates then follow the piece boundaries, not its chunks", stacklevel=2)
+    trained = _snapshot([m for m in mems if not m.per_sequence])  # persistent fast weights
+    persistent = [m for m in mems if not m.per_sequence]
+    bins = depth_bins(s.depth_buckets)
+    rows = []
+    try:
+        for length in s.lengths:
+            samples = niah_samples(source, tokenizer, length, s.samples, s.seed, s.needles, s.depth_buckets)
+            hits = {n: [] for n in s.iters}
+            digits = {n: [] for n in s.iters}
+            nll = {n: [] for n in s.iters}
+            tokens, t0 = 0, time.time()
+            for smp in tqdm(samples, desc=f"{desc} {length}", disable=not progress, leave=False):
+                _restore(persistent, trained)
+                logits = read_and_ask(model, smp, s.iters, s.piece, s.stretch_chunk, device)
+                tokens += max(s.iters) * length + len(s.iters) * (smp.question.numel() + smp.answer.numel() - 1)
+                for n, lg in logits.items():
+                    ok = lg.argmax(-1).cpu() == smp.answer
+                    hits[n].append(bool(ok.all()))
+                    digits[n].append(ok.float().mean().item())
+                    nll[n].append(torch.nn.functional.cross_entropy(lg.cpu(), smp.answer).item())
+            wall = time.time() - t0
+            depths = [min(int(smp.depth * s.depth_buckets), s.depth_buckets - 1) for smp in samples]
+            for n in s.iters:
+                by_depth = {}
+                for b, (lo, hi) in enumerate(bins):
+                    sel = [h for h, d in zip(hits[n], depths) if d == b]
+                    if sel:
+                        by_depth[depth_label(lo, hi)] = sum(sel) / len(sel)
+                metrics = {
+                    "accuracy": sum(hits[n]) / len(hits[n]),
+                    "digit_accuracy": sum(digits[n]) / len(digits[n]),
+                    "answer_nll": sum(nll[n]) / len(nll[n]),
+                    "n_samples": len(samples),
+                    "by_depth": by_depth,
+                    "tokens_per_s": tokens / wall,
+                    "peak_rss_gib": peak_rss_gib(),
+                }
+                rows.append({"setting": {"length": length, "n_iter": n}, "metrics": metrics, "wall_s": wall})
+    finally:
+        _restore(persistent, trained)  # leave the model's memories as they were trained
+    return rows
+
+
+def eval_texts(corpus: str, seed: int) -> list[str]:
+    """The held-out documents of the LM's corpus (the same split `memzoo.bench.lm` trains on)."""
+    from memzoo.data import load_corpus, split_documents
+
+    return list(split_documents(load_corpus(corpus), seed=seed)["validation"]["text"])
+
+
+def run(ctx: Context, layers: list[str]) -> list[dict]:
+    from memzoo.bench.lm import shared_lm
+    from memzoo.data import get_tokenizer
+
+    s = ctx.preset.settings(NAME, Settings)
+    rows, sources = [], {}
+    for layer in layers:
+        model, info = shared_lm(ctx, layer)
+        tc = info["config"]["train"]
+        tok = get_tokenizer(tc["tokenizer"])
+        key = (tc["corpus"], tc["tokenizer"], tc["seed"])
+        if key not in sources:
+            sources[key] = TextSource(eval_texts(tc["corpus"], tc["seed"]), tok)
+        config = {"lm": info["config"], "niah": asdict(s)}
+        for r in evaluate_niah(model, sources[key], tok, s, ctx.device, ctx.progress, desc=f"niah {layer}"):
+            r["metrics"].update(lm_val_loss=info["val_loss"], lm_steps=info["steps"], params=info["params"])
+            rows.append(ctx.record(NAME, layer, r["setting"], r["metrics"], config, r["wall_s"]))
+    return rows
+
+
+# ---- leaderboard ------------------------------------------------------------------------------
+
+
+def _layer_order(layers) -> list[str]:
+    names = sorted(set(layers))
+    return ([BASELINE] if BASELINE in names else []) + [n for n in names if n != BASELINE]
+
+
+def _len_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def tables(df) -> dict:
+    """Accuracy (%), digits right (%) and answer NLL by layer x (length, n-iter); throughput and
+    peak memory by layer x length."""
+    import pandas as pd
+
+    if df.empty:
+        return {}
+    df = df.copy()
+    df["col"] = [f"{_len_label(int(l))} x{int(n)}" for l, n in zip(df["setting.length"], df["setting.n_iter"])]
+    cols = [
+        f"{_len_label(l)} x{n}"
+        for l, n in sorted({(int(l), int(n)) for l, n in zip(df["setting.length"], df["setting.n_iter"])})
+    ]
+    order = _layer_order(df["layer"])
+    out = {}
+    for title, metric, scale, digits in (
+        ("NIAH exact-match accuracy (%), length x n-iter", "metrics.accuracy", 100, 1),
+        ("NIAH answer digits right (%), length x n-iter", "metrics.digit_accuracy", 100, 1),
+        ("NIAH answer NLL (nats per answer token; chance 2.303), length x n-iter", "metrics.answer_nll", 1, 3),
+    ):
+        if metric not in df:
+            continue
+        t = df.pivot_table(index="layer", columns="col", values=metric, aggfunc="first")
+        out[title] = (t.reindex(index=order, columns=cols) * scale).round(digits)
+    per_len = df.sort_values("setting.n_iter").groupby(["layer", "setting.length"], as_index=False).first()
+    cost = pd.DataFrame({
+        "layer": per_len["layer"],
+        "length": per_len["setting.length"].astype(int),
+        "samples": per_len["metrics.n_samples"].astype(int),
+        "tokens/s": per_len["metrics.tokens_per_s"].round(0).astype(int),
+        "peak RSS (GiB)": per_len["metrics.peak_rss_gib"].round(2),
+    })
+    cost["k"] = cost["layer"].map({n: i for i, n in enumerate(order)})
+    out["NIAH throughput and memory"] = cost.sort_values(["k", "length"]).drop(columns="k").reset_index(drop=True)
+    return out
+
+
+def figures(df, out_dir: Path) -> list[Path]:
+    """niah_iters.png: Figure 4's stacked bars (a bar per layer, one panel per length; the
+    n-iter accuracies drawn on top of each other, tallest first, so each colour shows what
+    one more iteration adds). niah_depth.png: accuracy by depth of the queried needle x length,
+    a heatmap per layer (columns) and n-iter (rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    if df.empty:
+        return []
+    out_dir = Path(out_dir)
+    order = _layer_order(df["layer"])
+    lengths = sorted({int(v) for v in df["setting.length"]})
+    iters = sorted({int(v) for v in df["setting.n_iter"]})
+    acc = {
+        (r["layer"], int(r["setting.length"]), int(r["setting.n_iter"])): float(r["metrics.accuracy"])
+        for _, r in df.iterrows()
+    }
+    colors = dict(zip(iters, sns.color_palette("crest", len(iters))))
+    paths = []
+
+    fig, axes = plt.subplots(1, len(lengths), figsize=(1.9 + 0.55 * len(order) * len(lengths) + 0.8 * len(lengths), 3.6),
+                             sharey=True, squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        for x, layer in enumerate(order):
+            bars = sorted(((acc[(layer, length, n)], n) for n in iters if (layer, length, n) in acc), key=lambda t: (-t[0], t[1]))
+            for v, n in bars:  # tallest first: the shorter ones stay visible in front
+                ax.bar(x, 100 * v, width=0.7, color=colors[n], edgecolor="white", linewidth=0.5)
+        ax.set_xticks(range(len(order)), order, rotation=45, ha="right")
+        ax.set_title(f"{_len_label(length)} tokens")
+        ax.set_ylim(0, 100)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("exact-match accuracy (%)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[n]) for n in iters]
+    fig.legend(handles, [f"{n}-iter" for n in iters], loc="center right", fontsize=8, frameon=False)
+    fig.suptitle("NIAH accuracy, n-iter memorization", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1 - 0.9 / fig.get_figwidth(), 1))
+    paths.append(save_png(fig, out_dir / "niah_iters.png"))
+
+    depth_cols = sorted(
+        (c for c in df.columns if c.startswith("metrics.by_depth.")), key=lambda c: float(c.split(".")[-1].split("-")[0])
+    )
+    labels = [c[len("metrics.by_depth.") :] for c in depth_cols]
+    fig, axes = plt.subplots(len(iters), len(order), figsize=(1.2 + 2.4 * len(order), 0.6 + 2.0 * len(iters)),
+                             squeeze=False)
+    for i, n in enumerate(iters):
+        for j, layer in enumerate(order):
+            ax = axes[i][j]
+            grid = []
+            for c in depth_cols:
+                row = []
+                for length in lengths:
+                    sel = df[(df["layer"] == layer) & (df["setting.length"] == length) & (df["setting.n_iter"] == n)]
+                    row.append(100 * float(sel[c].iloc[0]) if len(sel) and not math.isnan(sel[c].iloc[0]) else float("nan"))
+                grid.append(row)
+            sns.heatmap(grid, ax=ax, vmin=0, vmax=100, cmap="viridis", annot=True, fmt=".0f", cbar=False,
+                        annot_kws={"fontsize": 7}, xticklabels=[_len_label(l) for l in lengths], yticklabels=labels)
+            if i == 0:
+                ax.set_title(layer, fontsize=9)
+            ax.set_ylabel(f"{n}-iter: depth" if j == 0 else "")
+            ax.set_xlabel("length" if i == len(iters) - 1 else "")
+            ax.tick_params(labelsize=7)
+    fig.suptitle("NIAH accuracy (%) by depth of the queried needle", fontsize=10)
+    fig.tight_layout()
+    paths.append(save_png(fig, out_dir / "niah_depth.png"))
+    return paths
+
+
+# ---- the 128K check -----------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    """Run n-iter NIAH on the preset's models outside the bench (e.g. the 128K-token check)
+    and print accuracy, throughput and peak RSS per layer and length. Each layer runs in the
+    process this is called from, so run one layer per process to read its own peak RSS."""
+    import json
+
+    from memzoo.backbone.model import HybridLM
+    from memzoo.bench.common import check_layers, lm_train_config, load_preset, model_config
+    from memzoo.data import get_tokenizer
+
+    ap = argparse.ArgumentParser(prog="python -m memzoo.bench.niah", description=main.__doc__)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--layers", default="baseline", help="comma-separated; 'baseline' = the backbone alone")
+    ap.add_argument("--lengths", default=None, help="comma-separated haystack lengths in tokens (default: the preset's)")
+    ap.add_argument("--iters", default=None, help="comma-separated n of n-iter (default: the preset's)")
+    ap.add_argument("--samples", type=int, default=None)
+    ap.add_argument("--piece", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--untrained", action="store_true", help="randomly initialised models (no LM training): for cost/RSS checks")
+    ap.add_argument("--device", default="cpu")
+    a = ap.parse_args(argv)
+    torch.set_flush_denormal(True)
+    preset = load_preset(a.preset)
+    s = preset.settings(NAME, Settings)
+    over = {"lengths": a.lengths, "iters": a.iters}
+    kw = {k: [int(v) for v in val.split(",")] for k, val in over.items() if val}
+    kw.update({k: v for k, v in (("samples", a.samples), ("piece", a.piece)) if v is not None})
+    s = Settings(**{**asdict(s), **kw})
+    tc = lm_train_config(preset, seed=a.seed)
+    tok = get_tokenizer(tc.tokenizer)
+    source = TextSource(eval_texts(tc.corpus, a.seed), tok)
+    names = [BASELINE] if BASELINE in a.layers.split(",") else []
+    names += check_layers(a.layers.split(","))
+    for layer in names:
+        if a.untrained:
+            torch.manual_seed(a.seed)
+            model = HybridLM(model_config(preset, layer)).to(a.device).eval()
+        else:
+            from memzoo.bench.common import Context, Recorder
+            from memzoo.bench.lm import shared_lm
+
+            ctx = Context(preset, a.seed, Recorder("/dev/null", preset.name, a.seed), Path("runs") / "bench" / preset.name,
+                          a.device, True)
+            model, _ = shared_lm(ctx, layer)
+        for r in evaluate_niah(model, source, tok, s, a.device, progress=True, desc=f"niah {layer}"):
+            m = r["metrics"]
+            print(json.dumps({"layer": layer, **r["setting"], "accuracy": m["accuracy"],
+                              "digit_accuracy": round(m["digit_accuracy"], 3),
+                              "answer_nll": round(m["answer_nll"], 3), "tokens_per_s": round(m["tokens_per_s"]),
+                              "peak_rss_gib": round(m["peak_rss_gib"], 3), "wall_s": round(r["wall_s"], 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

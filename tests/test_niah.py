@@ -1,0 +1,207 @@
+"""NIAH: the construction (memzoo.data.niah), the training mixture, the n-iter protocol and
+the suite's tables/figures (memzoo.bench.niah)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pandas as pd
+import pytest
+import torch
+
+import memzoo.layers  # noqa: F401  (registers the layers)
+from memzoo.backbone.model import HybridLM
+from memzoo.bench import niah as suite
+from memzoo.bench.common import load_preset, model_config
+from memzoo.data import LMStream, get_tokenizer
+from memzoo.data.niah import NEEDLE, NeedleMix, TextSource, make_sample, niah_samples
+
+TOK = get_tokenizer("byte")
+TRAIN = [
+    "\n".join(f"Line {i} of the first training play, with some words in it." for i in range(300)),
+    "\n".join(f"Another training line number {i}; and more words follow here." for i in range(300)),
+]
+HELD_OUT = ["\n".join(f"HELD OUT verse {i}: the quality of mercy is not strained." for i in range(400))]
+
+
+def small_model(layer: str) -> HybridLM:
+    torch.manual_seed(0)
+    p = load_preset("tiny")
+    return HybridLM(model_config(p, layer, d_model=32, n_layers=4, ffn_dim=64, gdn_heads=2, gdn_head_dim=16)).eval()
+
+
+# ---- construction -----------------------------------------------------------------------------
+
+
+def test_sample_has_five_unique_needles_and_a_question_for_one():
+    for i, s in enumerate(niah_samples(HELD_OUT, TOK, 1024, 6, seed=3, depth_buckets=3)):
+        assert s.length == 1024 and s.haystack.dtype == torch.long
+        keys = [n.key for n in s.needles]
+        assert len(keys) == 5 and len(set(keys)) == 5
+        assert all(len(k) == 4 and k.isalpha() and k.islower() for k in keys)
+        assert len({n.value for n in s.needles}) == 5
+        assert all(len(n.value) == 6 and n.value.isdigit() and n.value[0] != "0" for n in s.needles)
+        text = TOK.decode(s.haystack)
+        for n in s.needles:  # each needle is where it says, and starts a line
+            needle = NEEDLE.format(key=n.key, value=n.value)
+            assert TOK.decode(s.haystack[n.position : n.position + len(needle)]) == needle
+            assert n.position == 0 or text[n.position - 1] == "\n"
+            assert n.depth == n.position / 1024
+        q = s.needles[s.query]
+        assert TOK.decode(s.question).endswith(f"The key {q.key} holds ")
+        assert TOK.decode(s.answer) == q.value and s.answer.numel() == 6
+        assert min(int(s.depth * 3), 2) == i % 3  # the queried needle's depth is stratified
+        assert "HELD OUT" in text and "training" not in text  # haystack from the given (held-out) text
+
+
+def test_samples_are_deterministic_and_seeded():
+    a = niah_samples(HELD_OUT, TOK, 512, 3, seed=0)
+    b = niah_samples(HELD_OUT, TOK, 512, 3, seed=0)
+    c = niah_samples(HELD_OUT, TOK, 512, 3, seed=1)
+    for x, y in zip(a, b):
+        assert torch.equal(x.haystack, y.haystack) and torch.equal(x.question, y.question) and x.needles == y.needles
+    assert not all(torch.equal(x.haystack, y.haystack) for x, y in zip(a, c))
+
+
+def test_long_haystack_wraps_round_short_text_and_short_one_is_an_error():
+    import random
+
+    src = TextSource(["one line\ntwo lines\n"], TOK)
+    s = make_sample(src, 600, random.Random(0))
+    assert s.length == 600
+    with pytest.raises(ValueError, match="cannot hold"):
+        make_sample(src, 100, random.Random(0))
+
+
+# ---- training mixture -------------------------------------------------------------------------
+
+
+def test_needle_mix_is_deterministic_and_mixes_the_fraction():
+    docs = [TOK.encode_tensor(t) for t in TRAIN]
+    plain = LMStream(docs, 128, seed=0)
+    mix = NeedleMix(plain, TRAIN, TOK, 128, mix=0.3, seed=0)
+    x, y = mix.batch(5, 16)
+    x2, y2 = mix.batch(5, 16)
+    assert torch.equal(x, x2) and torch.equal(y, y2) and x.shape == (16, 128)
+    px, _ = plain.batch(5, 16)
+    n, changed = 0, 0
+    for step in range(40):
+        x, y = mix.batch(step, 16)
+        assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted
+        px, _ = plain.batch(step, 16)
+        for r in range(16):
+            n += 1
+            if not torch.equal(x[r], px[r]):
+                changed += 1
+                text = TOK.decode(torch.cat([x[r], y[r, -1:]]))
+                key = text.rsplit("What does the key ", 1)[1][:4]
+                value = text[-6:]
+                assert f"The key {key} holds {value}.\n" in text  # the answer closes the window
+    assert 0.2 < changed / n < 0.4
+    assert torch.equal(NeedleMix(plain, TRAIN, TOK, 128, mix=0.0).batch(3, 4)[0], plain.batch(3, 4)[0])
+    with pytest.raises(ValueError, match="too short"):
+        NeedleMix(plain, TRAIN, TOK, 40, mix=0.3)
+
+
+# ---- the n-iter protocol ----------------------------------------------------------------------
+
+
+def test_streaming_in_pieces_equals_one_call():
+    model = small_model("baseline")
+    s = niah_samples(HELD_OUT, TOK, 512, 1, seed=0)[0]
+    one = suite.read_and_ask(model, s, [1, 2], piece=512)
+    pieces = suite.read_and_ask(model, s, [1, 2], piece=128)
+    only2 = suite.read_and_ask(model, s, [2], piece=256)
+    for n in (1, 2):
+        assert one[n].shape == (6, model.config.vocab_size)
+        torch.testing.assert_close(pieces[n], one[n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(only2[2], one[2], atol=1e-4, rtol=1e-4)  # asking after pass 1 changes nothing
+    # the reference: the whole stream haystack, haystack, question in one call
+    full = torch.cat([s.haystack, s.haystack, s.question, s.answer[:-1]])[None]
+    ref = model(full).logits[0, 2 * 512 + s.question.numel() - 1 :]
+    torch.testing.assert_close(one[2], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_fwpkm_pass_is_one_memory_update_and_samples_do_not_leak():
+    model = small_model("fwpkm")
+    mems = model.memories()
+    assert mems and all(suite.stretchable(m) for m in mems)
+    s = niah_samples(HELD_OUT, TOK, 512, 1, seed=0)[0]
+    start = suite._snapshot(mems)
+    got = suite.read_and_ask(model, s, [1, 2], piece=128)
+    # the same as reading each pass in one call with the update chunk = the haystack length
+    suite._restore(mems, start)
+    for m in mems:
+        m.chunk_size = 512
+    ref = suite.read_and_ask(model, s, [1, 2], piece=512, stretch_chunk=False)
+    for m in mems:
+        m.chunk_size = 64
+    for n in (1, 2):
+        torch.testing.assert_close(got[n], ref[n], atol=1e-4, rtol=1e-4)
+    # without stretching, the layer updates every 64 tokens: a different result
+    suite._restore(mems, start)
+    plain = suite.read_and_ask(model, s, [1], piece=128, stretch_chunk=False)
+    assert not torch.allclose(plain[1], got[1], atol=1e-4)
+    # evaluate_niah restores the trained fast weights per sample and at the end
+    suite._restore(mems, start)
+    cfg = suite.Settings(lengths=[512], iters=[1, 2], samples=2, depth_buckets=2, piece=256)
+    rows = suite.evaluate_niah(model, HELD_OUT, TOK, cfg)
+    for m, st in zip(mems, start):
+        for k, v in m.state.items():
+            assert torch.equal(v, st[k])
+    again = suite.evaluate_niah(model, HELD_OUT, TOK, cfg)
+    assert [r["metrics"]["digit_accuracy"] for r in rows] == [r["metrics"]["digit_accuracy"] for r in again]
+    assert [(r["setting"]["length"], r["setting"]["n_iter"]) for r in rows] == [(512, 1), (512, 2)]
+    m = rows[0]["metrics"]
+    assert m["n_samples"] == 2 and 0 <= m["accuracy"] <= 1 and set(m["by_depth"]) == {"0-50%", "50-100%"}
+    assert m["tokens_per_s"] > 0 and m["peak_rss_gib"] > 0 and m["answer_nll"] > 0
+
+
+def test_settings_reject_unknown_keys_and_bad_values():
+    from memzoo.config import ConfigError
+
+    p = load_preset("tiny")
+    s = p.settings(suite.NAME, suite.Settings)
+    assert s.lengths and s.iters == [1, 2, 3, 4]
+    with pytest.raises(ConfigError, match="unknown key"):
+        p.suites["niah"] = {"lenghts": [1]}
+        p.settings(suite.NAME, suite.Settings)
+    with pytest.raises(ConfigError, match="iters"):
+        suite.Settings(iters=[0])
+    assert load_preset("paper").settings(suite.NAME, suite.Settings).train_mix == 0.0
+
+
+# ---- tables and figures -------------------------------------------------------------------------
+
+
+def fake_rows() -> pd.DataFrame:
+    rows = []
+    for layer in ("fwpkm", "baseline"):
+        for length in (1024, 4096):
+            for n in (1, 2, 3, 4):
+                acc = min(1.0, 0.1 * n * (2 if layer == "fwpkm" else 1))
+                rows.append({
+                    "suite": "niah", "layer": layer, "preset": "tiny", "seed": 0, "wall_s": 1.0,
+                    "setting": {"length": length, "n_iter": n},
+                    "metrics": {"accuracy": acc, "digit_accuracy": acc, "answer_nll": 2.3 - acc, "n_samples": 8, "tokens_per_s": 1000.0 + length,
+                                "peak_rss_gib": 0.5, "by_depth": {"0-50%": acc, "50-100%": acc / 2}},
+                })
+    return pd.json_normalize(rows)
+
+
+def test_tables_and_figures(tmp_path):
+    df = fake_rows()
+    t = suite.tables(df)
+    acc = t["NIAH exact-match accuracy (%), length x n-iter"]
+    assert list(acc.index) == ["baseline", "fwpkm"] and list(acc.columns)[:2] == ["1K x1", "1K x2"]
+    assert acc.loc["fwpkm", "4K x2"] == 40.0
+    assert len(t) == 4 and t["NIAH answer NLL (nats per answer token; chance 2.303), length x n-iter"].loc["baseline", "1K x1"] == 2.2
+    assert list(t["NIAH throughput and memory"]["layer"]) == ["baseline", "baseline", "fwpkm", "fwpkm"]
+    for table in t.values():
+        table.to_markdown()
+    df = df[df["setting.n_iter"] <= 2]  # fewer panels: the same code, faster
+    paths = suite.figures(df, tmp_path / "a")
+    assert [p.name for p in paths] == ["niah_iters.png", "niah_depth.png"]
+    again = suite.figures(df.sample(frac=1, random_state=0), tmp_path / "b")
+    for p, q in zip(paths, again):  # deterministic: same data, same bytes
+        assert hashlib.sha256(p.read_bytes()).hexdigest() == hashlib.sha256(q.read_bytes()).hexdigest()
