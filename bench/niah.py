@@ -1,7 +1,7 @@
 """niah: needle in a haystack with n-iter memorization (FwPKM Sec. 4.3, Figure 4).
 
 Samples (:mod:`memzoo.data.niah`): a haystack of held-out text (the validation documents of the
-LM's corpus) of ``length`` tokens with 5 needles "The key qzfa holds 481273." at random line
+LM's corpus) of ``length`` tokens with 5 needles "Remember qzfa=481273." at random line
 starts, then a question for one key; exact match on the 6 answer digits.
 
 n-iter NIAH: "the model forwards the same haystack context n times before answering", and

@@ -7,13 +7,14 @@ and a 6-digit value - and a question that requests the value of a specific key."
 Here a sample is three token sequences:
 
     haystack   real text (held-out documents) with 5 needles inserted at line starts,
-               exactly ``length`` tokens:            "... The key qzfa holds 481273.\\n ..."
-    question   after the haystack:                   "\\nWhat does the key qzfa hold? The key qzfa holds "
+               exactly ``length`` tokens:            "... Remember qzfa=481273.\\n ..."
+    question   after the haystack:                   "\\nWhat is qzfa? qzfa="
     answer     the 6 digits                          "481273"
 
 The paper gives neither the needle nor the question wording; ours ends the question with the
-needle's own prefix, so answering is recall of what followed "The key qzfa holds " in the
-haystack. Keys are 4 distinct lowercase letters, values 6-digit numbers (no leading zero),
+needle's own "qzfa=", so the answer is the recall of what followed the key in the haystack, one
+associative hop (with "The key qzfa holds 481273" the key sits 7 tokens before the digits and
+tiny byte-level models trained for minutes stayed at chance). Keys are 4 distinct lowercase letters, values 6-digit numbers (no leading zero),
 both unique within a sample. The haystack is a window of the concatenated texts starting at a
 line start (wrapping round when the texts are shorter than the window); needles go in at line
 starts, so they never split a word, and each records its depth (start token / ``length``).
@@ -44,8 +45,8 @@ __all__ = [
     "niah_samples",
 ]
 
-NEEDLE = "The key {key} holds {value}.\n"
-QUESTION = "\nWhat does the key {key} hold? The key {key} holds "
+NEEDLE = "Remember {key}={value}.\n"
+QUESTION = "\nWhat is {key}? {key}="
 KEY_LEN, VALUE_DIGITS = 4, 6
 
 
@@ -257,8 +258,8 @@ class NeedleMix:
     Wraps `stream` (an :class:`memzoo.data.LMStream`, or anything with the same
     ``batch(step, batch_size) -> (x, y)``); each row of a batch is, with probability `mix`,
     replaced by a needle window of ``seq_len + 1`` tokens from `train_texts`: a short haystack
-    with 1..`max_needles` needles (as many as fit), then the question and its answer, which
-    end the window. ``x, y`` are the window and the window shifted by one, as in plain LM
+    with 1..`max_needles` needles (as many as fit), then a question and its answer for every
+    needle, which end the window. ``x, y`` are the window and the window shifted by one, as in plain LM
     training (every position is a target, the answer digits included). Batch `step` is a pure
     function of (seed, step, batch_size), like LMStream's, so resumed runs see the same data.
     """
@@ -294,16 +295,18 @@ class NeedleMix:
         return getattr(self.stream, name)
 
     def window(self, rng: random.Random) -> torch.Tensor:
-        """One needle window: ``seq_len + 1`` ids ending in question + answer."""
+        """One needle window: ``seq_len + 1`` ids: a short haystack with n needles, then a
+        question and answer for each needle in random order (n recalls per window, not one:
+        the recall signal a minutes-trained model gets is n times denser)."""
         tok, n = self.source.tok, rng.randint(1, self.max_needles)
         while True:
             keys, values = _keys_values(rng, n)
-            query = rng.randrange(n)
-            q, a = _question(tok, keys[query], values[query])
-            L = self.seq_len + 1 - q.numel() - a.numel()
+            asked = rng.sample(range(n), n)
+            qa = [torch.cat(_question(tok, keys[i], values[i])) for i in asked]
+            L = self.seq_len + 1 - sum(int(x.numel()) for x in qa)
             try:
-                hay, _, _ = _assemble(self.source, rng, keys, values, query, L, None)
-                return torch.cat([hay, q, a])
+                hay, _, _ = _assemble(self.source, rng, keys, values, asked[-1], L, None)
+                return torch.cat([hay, *qa])
             except ValueError:  # too many needles for this window: one fewer
                 if n == 1:
                     raise
