@@ -185,8 +185,9 @@ def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper:
 
 
 def run(ctx: Context, layers: list[str]) -> list[dict]:
-    """One row per layer on the preset's backbone (setting: the step shape), then one per
-    config in `configs` (setting: the config name and the step shape)."""
+    """One row per layer on the preset's backbone (setting: the step shape), then, with the
+    baseline (the harness calls suites layer by layer), one per config in `configs`
+    (setting: the config name and the step shape)."""
     from tqdm.auto import tqdm
 
     from memzoo.config import load_config
@@ -197,7 +198,8 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
     if not timed:
         print(f"cost: counting only; throughput at {s.batch} x {s.seq_len} tokens is measured on CUDA "
               "(--device cuda), or set cost.cpu_throughput: true in the preset")
-    jobs = [(layer, None) for layer in layers] + [(c, load_config(c)) for c in s.configs]
+    configs = s.configs if BASELINE in layers else []
+    jobs = [(layer, None) for layer in layers] + [(c, load_config(c)) for c in configs]
     shape = {"batch": s.batch, "seq_len": s.seq_len}
     rows = []
     for name, rc in tqdm(jobs, desc="cost", disable=not ctx.progress):

@@ -138,7 +138,7 @@ def tables(df) -> dict:
     first = df.sort_values("layer").groupby("layer").first()
     lm = pd.DataFrame(
         {
-            "params": first["metrics.params"].astype(int),
+            "params (M)": (first["metrics.params"] / 1e6).round(3),
             "LM steps": first["metrics.lm_steps"].astype(int),
             "LM val loss": first["metrics.lm_val_loss"].round(4),
             "LM train s": first["metrics.lm_train_wall_s"].round(1),

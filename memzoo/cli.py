@@ -66,7 +66,7 @@ def cmd_train(args) -> int:
 def cmd_bench(args) -> int:
     from memzoo.bench.run import run_bench
 
-    run_bench(args.layers, args.suite, args.preset, args.seed, args.out, args.work_dir, args.device, not args.quiet)
+    run_bench(args.layers, args.suite, args.preset, args.seed, args.out, args.work_dir, args.device, not args.quiet, args.jobs)
     return 0
 
 
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="leaderboards", help="rows are appended to OUT/results.jsonl")
     b.add_argument("--work-dir", help="cache of trained LMs (default runs/bench/<preset>)")
     b.add_argument("--device", default="cpu")
+    b.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per CPU core on CPU, 1 on CUDA)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(fn=cmd_bench)
 

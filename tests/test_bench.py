@@ -126,3 +126,23 @@ def test_inspect_prints_gates_and_trace(micro, tmp_path):
     assert "== memory 0: FwPKM ==" in out and "gate 0." in out
     assert "written by token" in out  # reads after the first 16-token chunk see what wrote the slots
     json.dumps(out)
+
+
+def test_share_out_balances_layers():
+    from memzoo.bench.run import share_out
+
+    groups = share_out(["baseline", "fwpkm", "mom", "lact"], 2)
+    assert sorted(sum(groups, [])) == ["baseline", "fwpkm", "lact", "mom"] and len(groups) == 2
+    assert share_out(["baseline"], 2) == [["baseline"]]
+
+
+def test_workers_measure_what_one_process_measures(micro, tmp_path):
+    """Two worker processes record the same numbers as one process (only timings differ)."""
+    from memzoo.bench.run import run_bench
+
+    one = run_bench("fwpkm", "ppl", str(micro), out=tmp_path / "a", work_dir=tmp_path / "wa", progress=False, jobs=1)
+    two = run_bench("fwpkm", "ppl", str(micro), out=tmp_path / "b", work_dir=tmp_path / "wb", progress=False, jobs=2)
+    key = lambda r: (r["layer"], json.dumps(r["setting"], sort_keys=True))  # noqa: E731
+    loss = lambda rows: {key(r): r["metrics"]["loss"] for r in rows}  # noqa: E731
+    assert len(two) == len(one) == 8 and loss(two) == loss(one)
+    assert len({r["run_id"] for r in two}) == 1
