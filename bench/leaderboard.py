@@ -43,6 +43,13 @@ def _groups(rows: list[dict]):
             yield suite, preset, suite_module(suite), frame(sub)
 
 
+def markdown(table) -> str:
+    """A table as markdown; a plain 0..n-1 row index is left out."""
+    import pandas as pd
+
+    return table.to_markdown(index=not isinstance(table.index, pd.RangeIndex))
+
+
 def suite_tables(rows: list[dict]):
     """(suite, preset, title, table) for every table the rows make."""
     for suite, preset, mod, df in _groups(rows):
@@ -74,7 +81,7 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
         doc = (mod.__doc__ or "").strip().split("\n\n")[0]
         lines += [doc, ""]
         for title, table in mod.tables(df).items():
-            lines += [f"**{title}**", "", table.to_markdown(), ""]
+            lines += [f"**{title}**", "", markdown(table), ""]
         note = getattr(mod, "EXPLANATION", None)
         if note:
             lines += [note.strip(), ""]

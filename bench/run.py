@@ -151,9 +151,9 @@ def run_bench(
 
 
 def print_tables(rows: list[dict]) -> None:
-    from memzoo.bench.leaderboard import suite_tables
+    from memzoo.bench.leaderboard import markdown, suite_tables
 
     for suite, preset, title, table in suite_tables(rows):
         print(f"### {suite} ({preset}): {title}\n")
-        print(table.to_markdown())
+        print(markdown(table))
         print()
