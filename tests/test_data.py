@@ -58,9 +58,17 @@ def _toy_corpus(n_docs: int = 3) -> datasets.Dataset:
 
 
 def test_corpus_names_and_unknown_name():
-    assert corpus_names() == ["bible", "shakespeare"]
-    with pytest.raises(ValueError, match="bible, shakespeare"):
+    assert corpus_names() == ["bible", "shakespeare", "sonnets"]
+    with pytest.raises(ValueError, match="bible, shakespeare, sonnets"):
         load_corpus("no-such-corpus")
+
+
+def test_sonnets_are_the_154_short_documents(shakespeare):
+    son = load_corpus("sonnets")
+    assert len(son) == 154 and son["title"][0] == "Sonnet I" and son["title"][-1] == "Sonnet CLIV"
+    assert all(300 < len(t) < 1200 for t in son["text"])  # short documents: 14 lines each (one has 15)
+    whole = shakespeare["text"][shakespeare["title"].index("Sonnets")]
+    assert son["text"][0].splitlines()[0] in whole and son["text"][-1].strip().splitlines()[-1] in whole
 
 
 def test_shakespeare_documents_and_order(shakespeare):

@@ -147,11 +147,13 @@ def test_stats_report_usage_gates_entropy_and_trace():
     layer(torch.randn(2, 16, 32))
     s = layer.stats()
     assert 0 < s["usage"] <= 1 and 0 < s["marginal_entropy/sub1"] <= 1
-    assert len(s["gate_hist"]) == 10 and sum(s["gate_hist"]) == 2 * 8
-    tr = s["trace"]  # the last chunk's read: its slots, and who wrote them (positions of the first chunk)
-    assert tr["slots"].shape == (2, 8, 2) and tr["writer_pos"].shape == (2, 8, 2)
-    written = tr["writer_pos"][tr["writer_pos"] >= 0]
-    assert ((written >= 1) & (written < 8)).all()  # lookahead: positions 1..7 of the first chunk
+    assert len(s["gate_hist"]) == 10 and sum(s["gate_hist"]) == 2 * 16  # every token of the call
+    assert s["gates"].shape == (2, 16)
+    tr = s["trace"]  # the whole call's reads: slots, and who wrote them
+    assert tr["slots"].shape == (2, 16, 2) and tr["writer_pos"].shape == (2, 16, 2)
+    assert (tr["writer_pos"][:, :8] == -1).all()  # the first chunk read a memory nothing had written
+    written = tr["writer_pos"][:, 8:][tr["writer_pos"][:, 8:] >= 0]
+    assert written.numel() and ((written >= 1) & (written < 8)).all()  # lookahead: positions 1..7 of chunk 1
 
 
 @pytest.mark.parametrize("layout", ["GDN | FwPKM@1", "GDN+SWA | PKM@0 + FwPKM@1"])
