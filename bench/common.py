@@ -111,9 +111,8 @@ def check_layers(names: list[str]) -> list[str]:
 
 def model_config(preset: Preset, layer: str, **backbone_overrides) -> ModelConfig:
     """The preset's backbone with `layer` plugged in (the backbone alone for BASELINE).
-    `backbone_overrides` replace backbone fields (a suite's own sizes, e.g. the toys' vocab).
-    A layer's options may hold `{d_model}`-relative sizes only as plain numbers; they are
-    passed to the layer as they are."""
+    `backbone_overrides` replace backbone fields (a suite's own sizes, e.g. the toys' vocab);
+    the layer's options are the preset's, as they are."""
     base = {**preset.backbone, **backbone_overrides}
     if layer == BASELINE:
         return ModelConfig.from_dict(base)

@@ -125,15 +125,6 @@ def _clone(obj):
     return obj
 
 
-def _snapshot(mems) -> list[dict]:
-    return [{k: v.clone() for k, v in m.state.items()} for m in mems]
-
-
-def _restore(mems, snap) -> None:
-    for m, s in zip(mems, snap):
-        m.load_state(s)
-
-
 @torch.no_grad()
 def read_and_ask(
     model, sample: NiahSample, iters: list[int], piece: int, stretch_chunk: bool = True, device: str = "cpu"
@@ -160,11 +151,11 @@ def read_and_ask(
                 cache = model(hay[None, s : s + piece], targets=t, cache=cache, use_cache=True).cache
         if n in iters:
             last = n == max(iters)
-            saved = None if last else (_snapshot(mems), _clone(cache))
+            saved = None if last else (model.memory_state(), _clone(cache))
             res = model(tail_in, targets=tail_t if needs_t else None, cache=cache, use_cache=not last)
             out[n] = res.logits[0, q.numel() - 1 :].float()
             if saved is not None:
-                _restore(mems, saved[0])
+                model.load_memory_state(saved[0])
                 cache = saved[1]
     return out
 
@@ -194,8 +185,7 @@ def evaluate_niah(
         if m.chunk_size and not (s.stretch_chunk and stretchable(m)) and s.piece % m.chunk_size:
             warnings.warn(f"niah.piece={s.piece} is not a multiple of {m.name}'s chunk size {m.chunk_size}: "
                           "its updates then follow the piece boundaries, not its chunks", stacklevel=2)
-    trained = _snapshot([m for m in mems if not m.per_sequence])  # persistent fast weights
-    persistent = [m for m in mems if not m.per_sequence]
+    trained = model.memory_state(persistent_only=True)  # the trained fast weights
     bins = depth_bins(s.depth_buckets)
     rows = []
     try:
@@ -206,7 +196,7 @@ def evaluate_niah(
             nll = {n: [] for n in s.iters}
             tokens, t0 = 0, time.time()
             for smp in tqdm(samples, desc=f"{desc} {length}", disable=not progress, leave=False):
-                _restore(persistent, trained)
+                model.load_memory_state(trained)
                 logits = read_and_ask(model, smp, s.iters, s.piece, s.stretch_chunk, device)
                 tokens += max(s.iters) * length + len(s.iters) * (smp.question.numel() + smp.answer.numel() - 1)
                 for n, lg in logits.items():
@@ -233,7 +223,7 @@ def evaluate_niah(
                 }
                 rows.append({"setting": {"length": length, "n_iter": n}, "metrics": metrics, "wall_s": wall})
     finally:
-        _restore(persistent, trained)  # leave the model's memories as they were trained
+        model.load_memory_state(trained)  # leave the model's memories as they were trained
     return rows
 
 

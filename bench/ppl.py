@@ -54,11 +54,7 @@ def eval_corpus(model, docs: list[torch.Tensor], s: Settings, mode: str, device:
     from memzoo.data import sequential_chunks
 
     mems = model.memories()
-    start = [{k: v.clone() for k, v in m.state.items()} if not m.per_sequence else None for m in mems]
-
-    def restart():
-        for m, st in zip(mems, start):
-            m.load_state(st) if st is not None else m.reset(1)
+    start = model.memory_state(persistent_only=True)  # the trained fast weights
 
     chunks = []
     n = 0
@@ -71,7 +67,7 @@ def eval_corpus(model, docs: list[torch.Tensor], s: Settings, mode: str, device:
     with torch.no_grad():
         for x, y, first in tqdm(chunks, desc=f"ppl {mode}", disable=not progress, leave=False):
             if mode == "reset" or (first and s.reset_at_document):
-                restart()
+                model.load_memory_state(start)
             x, y = x[None].to(device), y[None].to(device)
             out = model(x, targets=y, keep_memory=(mode == "carry"))
             nll += F.cross_entropy(out.logits[0].float(), y[0], reduction="sum").item()
@@ -81,7 +77,7 @@ def eval_corpus(model, docs: list[torch.Tensor], s: Settings, mode: str, device:
                     h = m.stats().get("gate_hist")
                     if h is not None:
                         gates[i] = [a + b for a, b in zip(gates.get(i, [0.0] * len(h)), h)]
-    restart()  # leave the model's memories as they were trained
+    model.load_memory_state(start)  # leave the model's memories as they were trained
     loss = nll / max(count, 1)
     out = {"loss": loss, "ppl": math.exp(loss), "tokens": count, "tokens_per_s": count / (time.time() - t0)}
     if gates:

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     lb.set_defaults(fn=cmd_leaderboard)
 
     i = sub.add_parser("inspect", help="per memory layer: gate values per token and the retrieval trace of a read")
-    i.add_argument("model", help="a trained model: a `memzoo train` out dir, a ckpt.pt, or a save_pretrained dir")
+    i.add_argument("model", help="a trained model: a `memzoo train` out dir or its ckpt.pt, or a bench LM dir (runs/bench/<preset>/lm/...)")
     i.add_argument("--text", help="the text to read")
     i.add_argument("--file", help="read the text from this file")
     i.add_argument("--top", type=int, default=4, help="slots shown per traced position")

@@ -22,7 +22,8 @@ from memzoo.backbone.model import HybridLM
 
 def load_model(path: str | Path) -> tuple[HybridLM, str, int]:
     """(model in eval mode, tokenizer name, sequence length) from a `memzoo train` out dir or its
-    ckpt.pt, a bench LM dir (model.pt + lm.json), or a save_pretrained dir."""
+    ckpt.pt, or a bench LM dir (model.pt + lm.json): both record the tokenizer and the training
+    sequence length the text must be read with."""
     from memzoo.config import ModelConfig
 
     p = Path(path)
@@ -38,11 +39,7 @@ def load_model(path: str | Path) -> tuple[HybridLM, str, int]:
         model = HybridLM(ModelConfig.from_dict(ck["config"]["model"]))
         model.load_state_dict(ck["model"])
         return model.eval(), ck["config"]["train"]["tokenizer"], ck["config"]["train"]["seq_len"]
-    if (d / "config.json").exists():
-        model = HybridLM.from_pretrained(d)
-        meta = json.loads((d / "config.json").read_text())
-        return model.eval(), meta.get("memzoo_tokenizer", "byte"), meta.get("memzoo_seq_len", 4096)
-    raise FileNotFoundError(f"{path}: no ckpt.pt, bench LM (lm.json + model.pt) or save_pretrained config.json there")
+    raise FileNotFoundError(f"{path}: neither a `memzoo train` checkpoint (ckpt.pt) nor a bench LM (lm.json + model.pt)")
 
 
 def _show(tok, ids: list[int], i: int, width: int = 12) -> str:

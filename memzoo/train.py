@@ -61,26 +61,16 @@ def _atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _memory_states(model: HybridLM) -> list:
-    return [None if m.per_sequence else {k: v.detach().clone() for k, v in m.state.items()} for m in model.memories()]
-
-
-def _load_memory_states(model: HybridLM, states: list) -> None:
-    for m, s in zip(model.memories(), states):
-        if s is not None:
-            m.load_state(s)
-
-
 @torch.no_grad()
 def evaluate(model: HybridLM, batches: list) -> float:
     """Mean loss over fixed validation windows; persistent fast weights are restored afterwards
     so that evaluating never changes what training does next."""
-    saved = _memory_states(model)
+    saved = model.memory_state(persistent_only=True)
     was = model.training
     model.eval()
     losses = [model(x, targets=y).loss.item() for x, y in batches]
     model.train(was)
-    _load_memory_states(model, saved)
+    model.load_memory_state(saved)
     return sum(losses) / len(losses)
 
 

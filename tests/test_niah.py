@@ -130,10 +130,10 @@ def test_fwpkm_pass_is_one_memory_update_and_samples_do_not_leak():
     mems = model.memories()
     assert mems and all(suite.stretchable(m) for m in mems)
     s = niah_samples(HELD_OUT, TOK, 512, 1, seed=0)[0]
-    start = suite._snapshot(mems)
+    start = model.memory_state()
     got = suite.read_and_ask(model, s, [1, 2], piece=128)
     # the same as reading each pass in one call with the update chunk = the haystack length
-    suite._restore(mems, start)
+    model.load_memory_state(start)
     for m in mems:
         m.chunk_size = 512
     ref = suite.read_and_ask(model, s, [1, 2], piece=512, stretch_chunk=False)
@@ -142,11 +142,11 @@ def test_fwpkm_pass_is_one_memory_update_and_samples_do_not_leak():
     for n in (1, 2):
         torch.testing.assert_close(got[n], ref[n], atol=1e-4, rtol=1e-4)
     # without stretching, the layer updates every 64 tokens: a different result
-    suite._restore(mems, start)
+    model.load_memory_state(start)
     plain = suite.read_and_ask(model, s, [1], piece=128, stretch_chunk=False)
     assert not torch.allclose(plain[1], got[1], atol=1e-4)
     # evaluate_niah restores the trained fast weights per sample and at the end
-    suite._restore(mems, start)
+    model.load_memory_state(start)
     cfg = suite.Settings(lengths=[512], iters=[1, 2], samples=2, depth_buckets=2, piece=256)
     rows = suite.evaluate_niah(model, HELD_OUT, TOK, cfg)
     for m, st in zip(mems, start):

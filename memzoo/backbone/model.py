@@ -186,6 +186,20 @@ class HybridLM(PreTrainedModel):
         """Logits from the last residual stream: final RMSNorm, then the tied embedding."""
         return F.linear(self.norm(h), self.embed.weight)
 
+    def memory_state(self, persistent_only: bool = False) -> list[dict | None]:
+        """A copy of every memory layer's fast weights, in `memories()` order. With
+        `persistent_only`, None for per-sequence layers: only what outlives a sequence."""
+        return [
+            None if persistent_only and m.per_sequence else {k: v.clone() for k, v in m.state.items()}
+            for m in self.memories()
+        ]
+
+    def load_memory_state(self, states: list[dict | None]) -> None:
+        """Put back a `memory_state()`; a layer whose entry is None goes back to its initial
+        fast weights (a new sequence starts from them anyway)."""
+        for m, st in zip(self.memories(), states, strict=True):
+            m.load_state(st) if st is not None else m.reset()
+
     def reset_memory(self, batch_size: int = 1) -> None:
         """Forget everything: every memory layer back to its initial fast weights."""
         for m in self.memories():
