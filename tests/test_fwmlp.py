@@ -278,3 +278,46 @@ def test_hybrid_lm_training_step():
         opt.step()
     assert not torch.equal(mem.io.q_proj.weight, q_proj)  # slow weights trained
     assert not torch.equal(mem.state["w_up"], before["w_up"])  # fast weights written, and persist
+
+
+def test_release_variant_equals_the_release_options_set_one_by_one():
+    from memzoo.layers.fwmlp import VARIANTS
+
+    by_hand = dict(lookahead_target="mean", grad_through_update=True, before_mixer=True)
+    assert VARIANTS["release"] == by_hand
+    paper = make()
+    assert (paper.lookahead_target, paper.grad_through_update, paper.before_mixer) == ("next", False, False)
+    a, b = make(variant="release").train(), make(variant="paper", **by_hand).train()
+    x = rand_x(2, 20).requires_grad_()
+    ya, yb = a(x), b(x)
+    assert torch.equal(ya, yb)
+    ga = torch.autograd.grad(ya.pow(2).sum(), [x, *a.parameters()])
+    gb = torch.autograd.grad(yb.pow(2).sum(), [x, *b.parameters()])
+    assert all(torch.equal(u, v) for u, v in zip(ga, gb))
+    assert all(torch.equal(a.state[k], b.state[k]) for k in FAST_KEYS)
+    assert make(variant="release", lookahead_target="next").lookahead_target == "next"  # ablation override
+    with pytest.raises(ValueError, match="variant"):
+        make(variant="authors")
+
+
+@pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(lr=0.0), dict(chunk_size=0), dict(input_dim=0)])
+def test_bad_options_are_rejected_by_name(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        make(**bad)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_a_nan_in_one_sequence_reaches_no_other_sequence_and_no_later_call(per_sequence):
+    """A pair with a non-finite token is left out of the write: here the other sequence's
+    outputs equal those of a batch in which sequence 0 is clean but token 10's pairs carry no
+    weight, i.e. are finite; the shared fast weights stay finite for later calls."""
+    layer = make(per_sequence=per_sequence)
+    x = rand_x(2, 24)
+    x[0, 10, 3] = float("nan")
+    with torch.no_grad():
+        layer.reset(2)
+        y = layer(x)
+        assert torch.isfinite(y[1]).all() and torch.isfinite(y[0, :10]).all()
+        assert not torch.isfinite(y[0, 10]).all()
+        assert all(torch.isfinite(t).all() for t in layer.state.values())
+        assert torch.isfinite(layer(rand_x(2, 16, seed=3))).all()

@@ -1,5 +1,7 @@
 """FwPKM numerics against the paper's equations (Sec. 3, Eqs. 16, 26-39)."""
 
+import math
+
 import pytest
 import torch
 
@@ -61,14 +63,14 @@ def test_one_step_rewriting_top1_distinct_slots():
     layer = FwPKM(16, key_dim=dk, value_dim=dv, topk=1, n_subkeys=n, chunk_size=64, value_norm=False).double()
     state = layer.state
     # queries sitting on distinct grid points of the product keys
-    ids = torch.randperm(n * n)[:T]
+    ids = torch.randperm(n * n)[: T + 1]
     rows, cols = ids // n, ids % n
     sub = state["keys"][0]  # [2, n, dk/2]
-    q = torch.cat([sub[0, rows], sub[1, cols]], -1)[None] + 1e-4 * torch.randn(1, T, dk, dtype=torch.float64)
+    q_all = torch.cat([sub[0, rows], sub[1, cols]], -1)[None] + 1e-4 * torch.randn(1, T + 1, dk, dtype=torch.float64)
+    q = q_all[:, :T]  # T + 1 tokens: q_t is paired with v_{t+1}; the last one only reads (its own slot)
     v = torch.randn(1, T + 1, dv, dtype=torch.float64)
-    q_all = torch.cat([q, q[:, :1]], 1)  # T + 1 tokens: q_t is paired with v_{t+1}
     lk, w, idx = layer._lookup(q_all, state)
-    assert idx[0, :T, 0].unique().numel() == T  # distinct slots
+    assert idx[0, :, 0].unique().numel() == T + 1  # distinct slots: every N_read = 1
     new = layer._update(q_all, v, None, lk, w, idx, state)
     lk2, w2, idx2 = layer._lookup(q, new)
     assert torch.equal(idx2, idx[:, :T])  # top-1 keys do not move (a 1-way softmax has no gradient)
@@ -192,3 +194,115 @@ def test_trained_memory_survives_save_pretrained(tmp_path):
     ref = model(ids).logits
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert torch.equal(loaded(ids).logits, ref)
+
+
+def test_n_read_counts_every_read_of_the_chunk_the_last_tokens_included():
+    """Eqs. 35-36, Sec. 3.2.2: N_i^read is "the number of times value row V_i is accessed within
+    the current chunk": here all three tokens read slot 0, although only A and B write."""
+    layer = grid_layer(lookahead=True)
+    # A -> v_B, B -> v_C; C (the chunk's last token) writes nothing but reads slot 0 too
+    V = write(layer, q=[[0.0, 0.0], [0.1, 0.0], [0.0, 0.2]], v=[[9.0, 9.0], [3.0, 1.0], [-1.0, 2.0]], g=[0.5, 1.0, 1.0])
+    # V0' = V0 - (1/3)[g_A (V0 - v_B) + g_B (V0 - v_C)] = (1,0) - (1/3)[(-1,-0.5) + (2,-2)] = (2/3, 5/6)
+    expect = torch.tensor([[2 / 3, 5 / 6], [5, 5], [7, 7], [0, 1]], dtype=torch.float64)
+    torch.testing.assert_close(V, expect, rtol=0, atol=1e-12)
+
+
+def test_no_addressing_loss_key_step_is_half_the_mean_squared_error():
+    """App. B "w/o addressing loss" as the release runs it (`fwpkm_addr_loss: null`,
+    `mem_grad_to_values_only: false`): K <- K - η ∇_K ½·mean over pairs and features of
+    g_t ||v_{t+1} - v̂_t||². Two tokens (one lookahead pair), dot scores, top-2 of 2 × 2 slots."""
+    layer = FwPKM(8, key_dim=2, value_dim=2, topk=2, n_subkeys=2, chunk_size=8, score="dot",
+                  addr_loss=False, value_norm=False).double()
+    K1, K2 = [0.5, 0.0], [0.3, 0.0]  # 1-d sub-keys of the two halves
+    keys = torch.tensor([K1, K2], dtype=torch.float64).view(1, 2, 2, 1)
+    values = torch.tensor([[2.0, 0.0], [-1.0, 4.0], [5, 5], [7, 7]], dtype=torch.float64)
+    layer.load_state({"keys": keys, "values": values})
+    g0, t = 0.5, (1.0, 1.0)  # token 0's gate; token 1's value is the target of token 0's query
+    q = torch.tensor([[[1.0, 1.0], [0.0, 3.0]]], dtype=torch.float64)
+    v = torch.tensor([[[9.0, 9.0], list(t)]], dtype=torch.float64)
+    state = layer.state
+    new = layer._update(q, v, torch.tensor([[g0, 1.0]], dtype=torch.float64), *layer._lookup(q, state), state)
+    # q_0 = (1, 1): slot scores (0,0) 0.8, (0,1) 0.5, (1,0) 0.3, (1,1) 0; top-2 = slots 0 and 1,
+    # w0 = σ(0.8 - 0.5) = σ(b (K2_0 - K2_1)) with b = 1; v̂ = w0 V0 + (1 - w0) V1
+    w0 = 1 / (1 + math.exp(-0.3))
+    v_hat = [w0 * 2.0 + (1 - w0) * -1.0, w0 * 0.0 + (1 - w0) * 4.0]
+    # L = ½ g0 Σ_d (v̂_d - t_d)² / (1 pair × 2 features); dL/dK2_0 = -dL/dK2_1 = dL/dw0 · w0 (1 - w0) · b
+    dL_dw0 = 0.5 * g0 * sum((v_hat[d] - t[d]) * (values[0, d] - values[1, d]).item() for d in range(2))
+    gk = dL_dw0 * w0 * (1 - w0)
+    expect = torch.tensor([K1, [K2[0] - gk, K2[1] + gk]], dtype=torch.float64).view(1, 2, 2, 1)  # K1 gets none
+    torch.testing.assert_close(new["keys"], expect, rtol=0, atol=1e-12)
+
+
+def test_release_variant_equals_the_release_options_set_one_by_one():
+    from memzoo.layers.fwpkm import VARIANTS
+
+    cfg = dict(key_dim=16, value_dim=16, topk=2, n_subkeys=16, chunk_size=8, heads=2)
+    by_hand = dict(addr_loss_weight=1.0, release_value_scale=True, grad_through_update=True, before_mixer=True,
+                   pooled_entropy=True)
+    assert VARIANTS["release"] == by_hand
+    paper = FwPKM(32, **cfg)
+    assert (paper.addr_loss_weight, paper.release_value_scale, paper.grad_through_update, paper.before_mixer,
+            paper.pooled_entropy) == (10.0, False, False, False, False)
+    layers = []
+    for kw in (dict(variant="release"), dict(variant="paper", **by_hand)):
+        torch.manual_seed(0)
+        layers.append(FwPKM(32, **cfg, **kw).train())
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    outs = [m(x).pow(2).sum() for m in layers]
+    grads = [torch.autograd.grad(o, [x, *m.parameters()]) for o, m in zip(outs, layers)]
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    for k in ("keys", "values"):
+        assert torch.equal(layers[0].state[k], layers[1].state[k])
+    # an explicit option overrides the variant (for ablations)
+    assert FwPKM(32, variant="release", addr_loss_weight=10.0, **cfg).addr_loss_weight == 10.0
+    with pytest.raises(ValueError, match="variant"):
+        FwPKM(32, variant="authors", **cfg)
+
+
+def test_pooled_entropy_is_the_entropy_of_the_head_pooled_marginal():
+    """The release's addressing loss pools p̄ over heads (one marginal per sub-key set); with
+    one head the two forms are the same loss."""
+    cfg = dict(key_dim=4, value_dim=4, topk=2, n_subkeys=4, chunk_size=8, value_norm=False)
+    torch.manual_seed(0)
+    x = torch.randn(1, 8, 16)
+    for heads, same in ((1, True), (2, False)):
+        steps = []
+        for pooled in (False, True):
+            torch.manual_seed(1)
+            layer = FwPKM(16, heads=heads, pooled_entropy=pooled, **cfg)
+            k0 = layer.state["keys"].clone()
+            with torch.no_grad():
+                layer(x)
+            steps.append(layer.state["keys"] - k0)
+        assert torch.allclose(steps[0], steps[1], atol=1e-7) == same
+
+
+@pytest.mark.parametrize("bad", [dict(topk=0), dict(chunk_size=0), dict(chunk_size=1), dict(lr=-1.0), dict(lr=0.0),
+                                 dict(n_subkeys=0), dict(score="cos"), dict(addr_loss_weight=-1.0), dict(heads=0)])
+def test_bad_options_are_rejected_by_name(bad):
+    cfg = dict(key_dim=16, value_dim=16, topk=2, n_subkeys=16, chunk_size=8)
+    cfg.update(bad)
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        FwPKM(32, **cfg)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_a_nan_in_one_sequence_reaches_no_other_sequence_and_no_later_call(per_sequence):
+    torch.manual_seed(0)
+    layer = FwPKM(32, per_sequence=per_sequence, **FwPKM.test_config())
+    clean = FwPKM(32, per_sequence=per_sequence, **FwPKM.test_config())
+    clean.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 24, 32)
+    bad = x.clone()
+    bad[0, 10, 3] = float("nan")
+    with torch.no_grad():
+        layer.reset(2), clean.reset(2)
+        y = layer(bad)
+        assert torch.isfinite(y[1]).all() and torch.isfinite(y[0, :10]).all()
+        assert all(torch.isfinite(t).all() for t in layer.state.values())
+        # the other sequence reads what it would have read had sequence 0 skipped token 10 (and
+        # the pairs that touch it): check later clean calls stay finite everywhere
+        y2 = layer(torch.randn(2, 16, 32))
+        assert torch.isfinite(y2).all()
+    assert not torch.isfinite(y[0, 10]).all()  # the NaN token's own output is not finite

@@ -71,3 +71,13 @@ def write_pairs(q: Tensor, v: Tensor, g: Tensor | None, lookahead: bool, gate_we
         tgt = v
     w = g if (gate_weighted and g is not None) else torch.ones(q.shape[:2], dtype=q.dtype, device=q.device)
     return q, tgt, w
+
+
+def finite_tokens(*xs: Tensor | None) -> Tensor:
+    """[B, T] mask of the tokens whose every input ([B, T] or [B, T, D]) is finite."""
+    ok = None
+    for x in xs:
+        if x is not None:
+            f = torch.isfinite(x) if x.dim() == 2 else torch.isfinite(x).all(-1)
+            ok = f if ok is None else ok & f
+    return ok

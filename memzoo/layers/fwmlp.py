@@ -33,6 +33,21 @@ the FwMLP loss by the gates (its "mlp" branch calls the memory without ``gates``
 option ``gate_weighted_loss=True`` uses L = mean_t(g_t · mean_d (f(q_t) - v_{t+1})_d²),
 FwPKM's Eq. 35 weighting with App. A's reduction.
 
+Paper and release. ``variant`` picks the paper's text (default) or the authors' release (the
+code behind the paper's FwMLP numbers); each single option overrides it (for ablations):
+
+    option               variant="paper" (default)              variant="release"
+    lookahead_target     "next": v_{t+1} (Sec. 3.4.2)            "mean": (v_t + v_{t+1}) / 2
+    grad_through_update  False: a local update (Sec. 3.4.1)      True: create_graph in training
+    before_mixer         False: between mixer and FFN (Sec. 4.1)  True: before the token mixer
+
+Both variants take the release's choices where the paper is silent (no gates in the loss, no
+gradient clipping as the released FwMLP config sets, the initial fast weights below).
+
+Non-finite input. A pair with a non-finite query, value or gate is left out of the write and of
+the mean over pairs, so one sequence's NaN reaches neither the other sequences (which share the
+fast weights) nor later calls; its own outputs are non-finite.
+
 Fast weights are shared by all sequences of a batch and persist across calls
 (``per_sequence=False``, as the paper trains FwMLP and FwPKM: App. A contrasts them with
 LaCT's per-sequence fast weights); the chunk's loss then averages over the whole batch.
@@ -77,10 +92,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from memzoo.layers.base import MemoryLayer, State
-from memzoo.layers.fw_io import FastWeightIO, write_pairs
+from memzoo.layers.fw_io import FastWeightIO, finite_tokens, write_pairs
 from memzoo.registry import register_layer
 
 FAST_KEYS = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
+
+#: the choices where the paper's text and the authors' release differ (module docstring)
+VARIANTS = {
+    "paper": dict(lookahead_target="next", grad_through_update=False, before_mixer=False),
+    "release": dict(lookahead_target="mean", grad_through_update=True, before_mixer=True),
+}
 
 
 def _linear(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
@@ -108,18 +129,19 @@ class FwMLP(MemoryLayer):
         lr: SGD learning rate η of the write (0.1).
         chunk_size: tokens per write (512); forward reads a chunk, then writes it.
         lookahead: pair q_t with v_{t+1} (Sec. 3.4.2); False pairs q_t with v_t.
+        variant: "paper" (default) or "release": the defaults of the three options below.
         lookahead_target: "next" (the paper: v_{t+1}) or "mean" ((v_t + v_{t+1}) / 2, what the
             release's FwMLP computes: its ``lookahead_strategy`` defaults to "mean" and the
-            model never overrides it, while its FwPKM takes v_{t+1}).
+            model never overrides it, while its FwPKM takes v_{t+1}); default from ``variant``.
         gating: scalar gate g_t interpolating memory and value residual (Eq. 33).
         value_norm: z-score the values/targets (Sec. 3.4.3).
         gate_weighted_loss: weight each pair's MSE by g_t (FwPKM's Eq. 35; off for FwMLP in
             the release).
         per_sequence: one set of fast weights per sequence instead of one shared, persistent set.
-        grad_through_update: differentiate through the writes (release training); default a
-            local update with detached inputs.
+        grad_through_update: differentiate through the writes (release training), or a local
+            update with detached inputs (paper); default from ``variant``.
         before_mixer: place the layer before its block's token mixer (the release's
-            ``fwpkm_before_attn: true``); default between mixer and FFN (the paper).
+            ``fwpkm_before_attn: true``) or between mixer and FFN (the paper); default from ``variant``.
         seed: seed of the initial fast weights; default drawn from torch's global RNG.
         norm_eps: epsilon of the shell's RMSNorms.
     """
@@ -138,17 +160,25 @@ class FwMLP(MemoryLayer):
         lr: float = 0.1,
         chunk_size: int = 512,
         lookahead: bool = True,
-        lookahead_target: str = "next",
         gating: bool = True,
         value_norm: bool = True,
         gate_weighted_loss: bool = False,
         per_sequence: bool = False,
-        grad_through_update: bool = False,
-        before_mixer: bool = False,
+        variant: str = "paper",
+        lookahead_target: str | None = None,
+        grad_through_update: bool | None = None,
+        before_mixer: bool | None = None,
         seed: int | None = None,
         norm_eps: float = 1e-5,
     ):
         super().__init__(d_model)
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+        given = dict(lookahead_target=lookahead_target, grad_through_update=grad_through_update, before_mixer=before_mixer)
+        opts = {k: VARIANTS[variant][k] if v is None else v for k, v in given.items()}
+        lookahead_target, grad_through_update, before_mixer = (opts[k] for k in given)
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr!r}")
         for k, v in (("input_dim", input_dim), ("intermediate_dim", intermediate_dim), ("output_dim", output_dim)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{k} must be a positive integer, got {v!r}")
@@ -164,6 +194,7 @@ class FwMLP(MemoryLayer):
             )
         if gate_weighted_loss and not gating:
             raise ValueError("gate_weighted_loss=True needs gating=True (the weights are the gates g_t)")
+        self.variant = variant
         self.input_dim, self.intermediate_dim, self.output_dim = input_dim, intermediate_dim, output_dim
         self.lr = float(lr)
         self.chunk_size = chunk_size
@@ -243,11 +274,18 @@ class FwMLP(MemoryLayer):
         return q, v, g
 
     def _update(self, q: Tensor, v: Tensor, g: Tensor | None, state: State) -> State:
-        """One SGD step on one chunk's pairs: θ' = θ - η ∇_θ mean_{pairs, features} (f(q_t) - v_{t+1})²."""
+        """One SGD step on one chunk's pairs: θ' = θ - η ∇_θ mean_{pairs, features} (f(q_t) - v_{t+1})².
+        Pairs with a non-finite token are left out of the write and of the mean (module docstring)."""
+        ok = finite_tokens(q, v, g)
+        T = q.shape[1]
+        if not ok.all():  # zero them with where (0 × NaN is NaN), then drop their pairs
+            q, v = q.where(ok[..., None], 0), v.where(ok[..., None], 0)
+            g = None if g is None else g.where(ok, 0)
         q, tgt, w = write_pairs(q, v, g, self.lookahead, self.gate_weighted_loss)
         if self.lookahead and self.lookahead_target == "mean":
             tgt = 0.5 * (v[:, :-1] + tgt)
-        if q.shape[1] == 0:  # a one-token chunk has no lookahead pair
+        keep = ok[:, : q.shape[1]] & ok[:, T - q.shape[1] :]  # the pair's query and target tokens
+        if not keep.any():  # a one-token chunk has no lookahead pair
             return dict(state)
         state = self._fast(state)
         differentiable = self.grad_through_update and torch.is_grad_enabled()
@@ -265,7 +303,11 @@ class FwMLP(MemoryLayer):
                 err = err * w
             # mean over samples: the chunk's pairs (shared), or each sequence's own (per-sequence,
             # summed so that every sequence's fast weights get the gradient of its own mean)
-            loss = err.mean() if not self.per_sequence else err.mean(1).sum()
+            if keep.all():
+                loss = err.mean() if not self.per_sequence else err.mean(1).sum()
+            else:
+                err, keep = err.where(keep, 0), keep.to(err.dtype)
+                loss = err.sum() / keep.sum() if not self.per_sequence else (err.sum(1) / keep.sum(1).clamp(min=1)).sum()
             grads = torch.autograd.grad(loss, [theta[k] for k in FAST_KEYS], create_graph=differentiable)
         new = {}
         for k, gr in zip(FAST_KEYS, grads):

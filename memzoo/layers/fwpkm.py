@@ -13,28 +13,44 @@ Read (Eqs. 26-34), for every token of a chunk, with the memory so far:
 Write (Eqs. 35-39), once per chunk, from the same pre-update fast weights:
     V_i <- V_i - η (1/N_i^read) Σ_t g_t (v̂_t - v_{t+1}) s'_{t,i}  Eqs. 35-36: the gradient of the summed,
                                                                 gate-weighted ½||v - v̂||² (Sec. 3.2.2), each
-                                                                row averaged over the N_i^read tokens that
-                                                                read it in the chunk; η = 1, no clipping
+                                                                row divided by N_i^read; η = 1, no clipping
     K <- K - η ∇_K L_addr,  L_addr = -H(p̄) per sub-key set,     Eqs. 37-39: p̄ = mean over the chunk of the
                                                                 top-k-softmaxed sub-key scores (zeros elsewhere)
-With top-1 retrieval the value step rewrites the prediction exactly to its target (Eq. 16).
+N_i^read is "the number of times value row V_i is accessed within the current chunk" (Sec. 3.2.2):
+every read of row i by every token of the chunk (each of a token's heads × top-k reads counts),
+the chunk's last token included although it writes nothing; the release's bincount over the
+chunk's indices counts the same. With top-1 retrieval the value step rewrites the prediction
+exactly to its target (Eq. 16).
 
-Where the paper is silent, the authors' release decides, and where they differ the paper's
-choice is the default and the release's an option:
-- addressing-loss weight: 10 (Table 3); the release uses 1.0 (`addr_loss_weight`).
-- value-gradient scale: the release multiplies it by an extra top-k × heads (`release_value_scale`).
-- outer gradients: the paper's memorisation loss "cannot reach slow weights" (Sec. 3.4.1), so a
-  write is a local update of detached inputs; the release keeps the update graph in training so
-  outer gradients pass through it (`grad_through_update=True`).
-- placement: between token mixer and FFN (Sec. 4.1); the release runs it before the mixer
-  (`before_mixer=True`).
-- joint softmax over heads × top-k and the gate as a sigmoid scalar follow the release;
-  lookahead pairs stay inside a chunk (the chunk's last token writes nothing), as in the
-  release's training path; N_i^read counts the reads of the chunk's writing tokens.
+Paper and release. The paper's text and the authors' release (the code behind its numbers)
+differ in five places; `variant` picks one column, and each single option overrides it (for
+ablations):
+
+    option              variant="paper" (default)             variant="release"
+    addr_loss_weight    10 (Table 3)                          1.0
+    release_value_scale False                                 True: the value step × top-k × heads
+    grad_through_update False: the memorisation loss "cannot  True: the update graph is kept in training,
+                        reach slow weights" (Sec. 3.4.1)      outer gradients pass through every write
+    before_mixer        False: between mixer and FFN (4.1)    True: before the token mixer
+    pooled_entropy      False: H(p̄) per sub-key set (Eq. 38)  True: p̄ pooled over heads (same for 1 head)
+    (FwMLP, in fwmlp.py: lookahead_target "next" vs "mean", grad_through_update, before_mixer)
+
+Where the paper is silent both variants follow the release: joint softmax over heads × top-k,
+the gate as a sigmoid scalar, z-scored values (std unbiased + 1e-6), lookahead pairs inside a
+chunk (the chunk's last token writes nothing, as in the release's training path), key init
+U(±1/√Dk), value init N(0, 1/Dv), the summed loss for the value step (the release's ½·mean
+scaled back by B·(C−1)·D_v, the sample count its model passes with the attention mask).
 Fast weights are shared across the batch and persist across calls (the paper and release);
 `per_sequence=True` gives each sequence its own. They are buffers, never slow parameters.
 App. B ablations: `lookahead`, `gating`, `gate_weighted_loss`, `value_norm`, `addr_loss`
-(off: keys follow the MSE gradient instead), `score="dot"` (the paper found IDW necessary).
+(off: the keys follow the memorisation loss instead, as the release's `no_addr_loss` config runs
+it: the gradient of ½·mean over the chunk's pairs and features, the same loss the value step
+sums), `score="dot"` (the paper found IDW necessary).
+
+Non-finite input. The memory is shared by the batch and persists, so one sequence's NaN must
+not reach the others or later calls: a token whose query, value or gate is not finite is left
+out of the write (it writes no pair, is not counted in N^read or p̄); its own output is
+non-finite, every other output and the memory stay finite.
 """
 
 from __future__ import annotations
@@ -46,7 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from memzoo.layers.base import MemoryLayer, State
-from memzoo.layers.fw_io import FastWeightIO, write_pairs
+from memzoo.layers.fw_io import FastWeightIO, finite_tokens, write_pairs
 from memzoo.ops.product_key import Lookup, gather_values, lookup, pair_scores, selected_subkey_scores
 from memzoo.registry import register_layer
 
@@ -54,6 +70,15 @@ from memzoo.registry import register_layer
 def _fp32(x: Tensor) -> Tensor:
     """Fast-weight math runs in at least fp32 (the release's fp32_fw)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+#: the choices where the paper's text and the authors' release differ (module docstring)
+VARIANTS = {
+    "paper": dict(addr_loss_weight=10.0, release_value_scale=False, grad_through_update=False,
+                  before_mixer=False, pooled_entropy=False),
+    "release": dict(addr_loss_weight=1.0, release_value_scale=True, grad_through_update=True,
+                    before_mixer=True, pooled_entropy=True),
+}
 
 
 @register_layer("fwpkm")
@@ -74,29 +99,49 @@ class FwPKM(MemoryLayer):
         score: str = "idw",
         idw_eps: float = 1e-3,
         addr_loss: bool = True,
-        addr_loss_weight: float = 10.0,
         lookahead: bool = True,
         gating: bool = True,
         gate_weighted_loss: bool = True,
         value_norm: bool = True,
         per_sequence: bool = False,
-        grad_through_update: bool = False,
-        release_value_scale: bool = False,
-        before_mixer: bool = False,
+        variant: str = "paper",
+        addr_loss_weight: float | None = None,
+        release_value_scale: bool | None = None,
+        grad_through_update: bool | None = None,
+        before_mixer: bool | None = None,
+        pooled_entropy: bool | None = None,
         seed: int = 0,
     ):
         super().__init__(d_model)
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+        for name, v, low in (("key_dim", key_dim, 2), ("value_dim", value_dim, 1), ("heads", heads, 1),
+                             ("topk", topk, 1), ("n_subkeys", n_subkeys, 1), ("chunk_size", chunk_size, 1 + bool(lookahead))):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                why = " (a lookahead pair needs two tokens of a chunk)" if name == "chunk_size" and lookahead else ""
+                raise ValueError(f"{name} must be an int >= {low}{why}, got {v!r}")
         if key_dim % 2:
             raise ValueError(f"key_dim must be even (two product halves), got {key_dim}")
         if topk > n_subkeys:
             raise ValueError(f"topk ({topk}) cannot exceed n_subkeys ({n_subkeys})")
+        if score not in ("idw", "dot"):
+            raise ValueError(f"score must be 'idw' or 'dot', got {score!r}")
+        if not lr > 0 or not idw_eps > 0:
+            raise ValueError(f"lr and idw_eps must be > 0, got lr={lr!r}, idw_eps={idw_eps!r}")
+        given = dict(addr_loss_weight=addr_loss_weight, release_value_scale=release_value_scale,
+                     grad_through_update=grad_through_update, before_mixer=before_mixer, pooled_entropy=pooled_entropy)
+        opts = {k: VARIANTS[variant][k] if v is None else v for k, v in given.items()}
+        if not opts["addr_loss_weight"] >= 0:
+            raise ValueError(f"addr_loss_weight must be >= 0, got {opts['addr_loss_weight']!r}")
+        self.variant = variant
         self.key_dim, self.value_dim, self.heads, self.topk, self.n = key_dim, value_dim, heads, topk, n_subkeys
         self.N = n_subkeys**2
         self.chunk_size, self.lr, self.score, self.idw_eps = chunk_size, lr, score, idw_eps
-        self.addr_loss, self.addr_loss_weight = addr_loss, addr_loss_weight
-        self.lookahead, self.gate_weighted_loss = lookahead, gate_weighted_loss
-        self.per_sequence, self.grad_through_update = per_sequence, grad_through_update
-        self.release_value_scale, self.before_mixer, self.seed = release_value_scale, before_mixer, seed
+        self.addr_loss, self.lookahead, self.gate_weighted_loss = addr_loss, lookahead, gate_weighted_loss
+        self.per_sequence, self.seed = per_sequence, seed
+        self.addr_loss_weight = float(opts["addr_loss_weight"])
+        self.release_value_scale, self.grad_through_update = opts["release_value_scale"], opts["grad_through_update"]
+        self.before_mixer, self.pooled_entropy = opts["before_mixer"], opts["pooled_entropy"]
         self.io = FastWeightIO(d_model, heads * key_dim, value_dim, gating, value_norm)
         self._diag: dict = {}
         self._pos, self._writer = 0, None  # stream position; who last wrote each slot
@@ -166,13 +211,25 @@ class FwPKM(MemoryLayer):
 
     def _update(self, q, v, g, lk: Lookup, w, idx, state: State) -> State:
         B, T, _ = q.shape
+        if T == 0:
+            return dict(state)
         if not self.grad_through_update:  # a local update (Sec. 3.4.1): no outer graph through it
             q, v, w = q.detach(), v.detach(), w.detach()
             g = None if g is None else g.detach()
+        # non-finite tokens write nothing and count nowhere (module docstring); zeroing them
+        # (with where, not a product: 0 × NaN is NaN) keeps every sum below finite
+        ok = finite_tokens(q, v, g, w)
+        if not ok.any():
+            self._pos += T
+            return dict(state)
+        if not ok.all():
+            q, v, w = (t.where(ok[..., None], 0) for t in (q, v, w))
+            g = None if g is None else g.where(ok, 0)
         qw, tgt, lw = write_pairs(q, v, g, self.lookahead, self.gate_weighted_loss)
         Tw = qw.shape[1]
+        lw = lw * (ok[:, :Tw] & ok[:, T - Tw :])  # a pair needs its query's and its target's token
         new = dict(state)
-        new["keys"] = state["keys"] - self.lr * self._key_grad(q, lk, tgt, lw, state)
+        new["keys"] = state["keys"] - self.lr * self._key_grad(q, ok, lk, tgt, lw, state)
         if Tw > 0:
             values = state["values"]
             flat = values.view(-1, self.value_dim)
@@ -180,12 +237,14 @@ class FwPKM(MemoryLayer):
             v_hat = gather_values(flat, idx_w, w_w)
             # ∇_{v̂_t} of the gate-weighted ½||v_{t+1} - v̂_t||², summed over tokens and features (Sec. 3.2.2)
             err = _fp32(lw).unsqueeze(-1) * (v_hat - _fp32(tgt))  # [B, Tw, Dv]
+            # N_i^read (Eq. 36): every read of row i in the chunk, the last token's included
+            read_rows, n_read = torch.unique(idx[ok], return_counts=True)
             rows = idx_w.reshape(-1)
-            _, inv, n_read = torch.unique(rows, return_inverse=True, return_counts=True)
+            n_w = n_read[torch.searchsorted(read_rows, rows).clamp(max=max(len(read_rows) - 1, 0))]
             scale = self.lr * (self.topk * self.heads if self.release_value_scale else 1.0)
-            # Eqs. 35-36: each entry's share of its row's gradient, averaged over the row's N_i^read
+            # Eqs. 35-36: each entry's share of its row's gradient, divided by the row's N_i^read
             delta = (w_w.unsqueeze(-1) * err.unsqueeze(-2)).reshape(-1, self.value_dim)
-            delta = delta * (-scale / n_read[inv].to(delta.dtype)).unsqueeze(-1)
+            delta = delta * (-scale / n_w.clamp(min=1).to(delta.dtype)).unsqueeze(-1)
             if values.requires_grad or (self.grad_through_update and torch.is_grad_enabled()):
                 flat = flat.index_add(0, rows, delta)  # functional: outer gradients flow through it
             else:
@@ -195,10 +254,11 @@ class FwPKM(MemoryLayer):
         self._pos += T
         return new
 
-    def _key_grad(self, q, lk: Lookup, tgt, lw, state: State) -> Tensor:
+    def _key_grad(self, q, ok, lk: Lookup, tgt, lw, state: State) -> Tensor:
         """∇_K of the addressing loss (Eqs. 37-39), or of the memorisation loss when that is
         switched off (App. B). Only the selected sub-keys get gradient, so only their scores
-        are recomputed (differentiably in K): O(k·d) per token."""
+        are recomputed (differentiably in K): O(k·d) per token. `ok` [B, T] marks the tokens
+        that count."""
         keys = state["keys"]
         outer = self.grad_through_update and torch.is_grad_enabled()  # keep the graph (release)
         B, T, _ = q.shape
@@ -207,24 +267,29 @@ class FwPKM(MemoryLayer):
             qh = _fp32(q).view(B, T, self.heads, self.key_dim)
             top = selected_subkey_scores(qh, K, lk.sub_index, self.score, self.idw_eps)  # [B, T, H, 2, k]
             if self.addr_loss:
-                p = torch.softmax(top, -1)  # s' over each half's top-k (Eq. 30); zero elsewhere
-                # p̄: mean over the chunk (and, for shared memory, the batch) of the scattered s' (Eq. 37)
-                if self.per_sequence:
-                    p, idx, shape = p.permute(0, 2, 3, 1, 4), lk.sub_index.permute(0, 2, 3, 1, 4), (B, self.heads, 2)
-                else:
-                    p, idx, shape = p.permute(2, 3, 0, 1, 4), lk.sub_index.permute(2, 3, 0, 1, 4), (self.heads, 2)
+                # s' over each half's top-k (Eq. 30), zero elsewhere, for the counted tokens
+                p = torch.softmax(top, -1) * ok[:, :, None, None, None]
+                # p̄ (Eq. 37): the mean over the chunk's tokens (and the batch, for a shared memory;
+                # and the heads, if pooled) of the scattered s', per sub-key set
+                kept = ([0] if self.per_sequence else []) + ([] if self.pooled_entropy else [2]) + [3]
+                perm = kept + [d for d in range(4) if d not in kept] + [4]
+                p, idx = p.permute(perm), lk.sub_index.permute(perm)
+                shape = p.shape[: len(kept)]
+                n_tok = ok[:, :, None, None, None].expand(B, T, self.heads, 2, 1).permute(perm)
+                n_tok = n_tok.reshape(*shape, -1).sum(-1, keepdim=True).clamp(min=1)
                 p_bar = p.new_zeros(*shape, self.n).scatter_add(-1, idx.reshape(*shape, -1), p.reshape(*shape, -1))
-                p_bar = p_bar / (T if self.per_sequence else B * T)
-                entropy = -(p_bar * torch.log(p_bar + 1e-8)).sum(-1)  # per head and sub-key set
+                p_bar = p_bar / n_tok
+                entropy = -(p_bar * torch.log(p_bar + 1e-8)).sum(-1)  # per (sequence,) (head,) sub-key set
                 loss = -self.addr_loss_weight * entropy.sum()  # Eq. 38: maximise H(p̄)
-            else:  # App. B "w/o addr loss": keys follow the memorisation loss instead
+            else:  # App. B "w/o addr loss": keys follow ½·mean over pairs and features of the MSE
                 Tw = tgt.shape[1]
                 if Tw == 0:
                     return torch.zeros_like(keys)
                 w = torch.softmax(pair_scores(top[:, :Tw], lk.pair[:, :Tw]).flatten(-2), -1)
                 idx = self._rows(lk.index[:, :Tw].flatten(-2))
                 v_hat = gather_values(self._values(state).detach(), idx, w)
-                loss = 0.5 * (_fp32(lw).unsqueeze(-1) * (_fp32(tgt) - v_hat).pow(2)).sum()
+                n = Tw if self.per_sequence else B * Tw  # pairs behind each memory
+                loss = 0.5 * (_fp32(lw).unsqueeze(-1) * (_fp32(tgt) - v_hat).pow(2)).sum() / (n * self.value_dim)
             (grad,) = torch.autograd.grad(loss, K, create_graph=outer)
         return grad
 
@@ -238,6 +303,8 @@ class FwPKM(MemoryLayer):
             self._note_read(idx, w, g, append=s > 0)
             ys.append(self.io.output(v_hat.to(v.dtype), v, g))
             state = self._update(q, v, g, lk, w, idx, state)
+        if not ys:  # T = 0
+            return x.new_zeros(x.shape), state
         return torch.cat(ys, dim=1), state
 
     # ---- diagnostics (Sec. 3.3 usage, Fig. 3 gates, Fig. 5 retrieval trace) ---------------
