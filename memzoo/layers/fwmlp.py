@@ -276,17 +276,17 @@ class FwMLP(MemoryLayer):
     def _update(self, q: Tensor, v: Tensor, g: Tensor | None, state: State) -> State:
         """One SGD step on one chunk's pairs: θ' = θ - η ∇_θ mean_{pairs, features} (f(q_t) - v_{t+1})².
         Pairs with a non-finite token are left out of the write and of the mean (module docstring)."""
-        ok = finite_tokens(q, v, g)
-        T = q.shape[1]
-        if not ok.all():  # zero them with where (0 × NaN is NaN), then drop their pairs
-            q, v = q.where(ok[..., None], 0), v.where(ok[..., None], 0)
-            g = None if g is None else g.where(ok, 0)
+        # zero non-finite tokens with where (0 × NaN is NaN), then drop their pairs; no branch on
+        # the data (no device sync; the meta-device FLOP count runs through it)
+        ok, T = finite_tokens(q, v, g), q.shape[1]
+        q, v = q.where(ok[..., None], 0), v.where(ok[..., None], 0)
+        g = None if g is None else g.where(ok, 0)
         q, tgt, w = write_pairs(q, v, g, self.lookahead, self.gate_weighted_loss)
         if self.lookahead and self.lookahead_target == "mean":
             tgt = 0.5 * (v[:, :-1] + tgt)
-        keep = ok[:, : q.shape[1]] & ok[:, T - q.shape[1] :]  # the pair's query and target tokens
-        if not keep.any():  # a one-token chunk has no lookahead pair
+        if q.shape[1] == 0:  # a one-token chunk has no lookahead pair
             return dict(state)
+        keep = (ok[:, : q.shape[1]] & ok[:, T - q.shape[1] :]).to(q.dtype)  # the pair's query and target tokens
         state = self._fast(state)
         differentiable = self.grad_through_update and torch.is_grad_enabled()
         if not differentiable:
@@ -303,11 +303,11 @@ class FwMLP(MemoryLayer):
                 err = err * w
             # mean over samples: the chunk's pairs (shared), or each sequence's own (per-sequence,
             # summed so that every sequence's fast weights get the gradient of its own mean)
-            if keep.all():
-                loss = err.mean() if not self.per_sequence else err.mean(1).sum()
+            err = err.where(keep > 0, 0)
+            if self.per_sequence:
+                loss = (err.sum(1) / keep.sum(1).clamp(min=1)).sum()
             else:
-                err, keep = err.where(keep, 0), keep.to(err.dtype)
-                loss = err.sum() / keep.sum() if not self.per_sequence else (err.sum(1) / keep.sum(1).clamp(min=1)).sum()
+                loss = err.sum() / keep.sum().clamp(min=1)
             grads = torch.autograd.grad(loss, [theta[k] for k in FAST_KEYS], create_graph=differentiable)
         new = {}
         for k, gr in zip(FAST_KEYS, grads):

@@ -217,14 +217,11 @@ class FwPKM(MemoryLayer):
             q, v, w = q.detach(), v.detach(), w.detach()
             g = None if g is None else g.detach()
         # non-finite tokens write nothing and count nowhere (module docstring); zeroing them
-        # (with where, not a product: 0 × NaN is NaN) keeps every sum below finite
+        # (with where, not a product: 0 × NaN is NaN) keeps every sum below finite. No branch
+        # on the data: no device sync, and the meta-device FLOP count runs through it.
         ok = finite_tokens(q, v, g, w)
-        if not ok.any():
-            self._pos += T
-            return dict(state)
-        if not ok.all():
-            q, v, w = (t.where(ok[..., None], 0) for t in (q, v, w))
-            g = None if g is None else g.where(ok, 0)
+        q, v, w = (t.where(ok[..., None], 0) for t in (q, v, w))
+        g = None if g is None else g.where(ok, 0)
         qw, tgt, lw = write_pairs(q, v, g, self.lookahead, self.gate_weighted_loss)
         Tw = qw.shape[1]
         lw = lw * (ok[:, :Tw] & ok[:, T - Tw :])  # a pair needs its query's and its target's token
@@ -238,13 +235,13 @@ class FwPKM(MemoryLayer):
             # ∇_{v̂_t} of the gate-weighted ½||v_{t+1} - v̂_t||², summed over tokens and features (Sec. 3.2.2)
             err = _fp32(lw).unsqueeze(-1) * (v_hat - _fp32(tgt))  # [B, Tw, Dv]
             # N_i^read (Eq. 36): every read of row i in the chunk, the last token's included
-            read_rows, n_read = torch.unique(idx[ok], return_counts=True)
-            rows = idx_w.reshape(-1)
-            n_w = n_read[torch.searchsorted(read_rows, rows).clamp(max=max(len(read_rows) - 1, 0))]
+            # (a non-finite token's reads go to row -1, which nothing writes)
+            _, inv, n_read = torch.unique(idx.where(ok[..., None], -1), return_inverse=True, return_counts=True)
+            rows, n_w = idx_w.reshape(-1), n_read[inv[:, :Tw]].reshape(-1)
             scale = self.lr * (self.topk * self.heads if self.release_value_scale else 1.0)
             # Eqs. 35-36: each entry's share of its row's gradient, divided by the row's N_i^read
             delta = (w_w.unsqueeze(-1) * err.unsqueeze(-2)).reshape(-1, self.value_dim)
-            delta = delta * (-scale / n_w.clamp(min=1).to(delta.dtype)).unsqueeze(-1)
+            delta = delta * (-scale / n_w.to(delta.dtype)).unsqueeze(-1)
             if values.requires_grad or (self.grad_through_update and torch.is_grad_enabled()):
                 flat = flat.index_add(0, rows, delta)  # functional: outer gradients flow through it
             else:
