@@ -244,8 +244,9 @@ def main(argv: list[str] | None = None) -> list[RetrievalResult]:
             n, minutes = r.config["n_pairs"], r.train_seconds / 60
             print(f"{n:7d}  {r.accuracy:8.4f}  {r.steps:5d}  {minutes:9.2f}  {r.ms_per_step:7.1f}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump([asdict(r) for r in results] if len(results) > 1 else asdict(results[0]), f, indent=1)
+        from memzoo.storage import write_text
+
+        write_text(a.json, json.dumps([asdict(r) for r in results] if len(results) > 1 else asdict(results[0]), indent=1))
     return results
 
 

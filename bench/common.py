@@ -23,6 +23,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -31,9 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 
-from memzoo.config import ConfigError, ModelConfig, TrainConfig, config_dir, parse_strict
+from memzoo.backbone.layout import parse_layout
+from memzoo.config import (
+    ConfigError, ModelConfig, TrainConfig, check_layer_options, config_dir, parse_strict, read_yaml,
+)
 
 BASELINE = "baseline"  # the backbone with no memory layer
 SUITES = ("toys", "ppl", "niah", "cost")
@@ -76,13 +79,23 @@ def load_preset(name: str) -> Preset:
         path = config_dir() / "bench" / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"no bench preset {name!r}; shipped presets: {', '.join(preset_names())}, or give a YAML path")
-    data = yaml.safe_load(path.read_text()) or {}
-    allowed = {"backbone", "layers", "lm", *SUITES}
-    bad = sorted(set(data) - allowed)
-    if bad:
-        raise ConfigError(f"{path}: unknown section(s) {bad}; valid: {', '.join(sorted(allowed))}")
-    ModelConfig.from_dict(data.get("backbone"))  # check the backbone now, not at the first model
-    layers = {k.lower(): parse_strict(LayerSpec, v, f"{path}: layers.{k}") for k, v in (data.get("layers") or {}).items()}
+    data = read_yaml(path, ("backbone", "layers", "lm", *SUITES))
+    try:  # check the backbone, the layers and the LM now, not at the first model
+        backbone = ModelConfig.from_dict(data.get("backbone"), "backbone")
+        TrainConfig.from_dict(data.get("lm"), "lm")
+        if not isinstance(data.get("layers") or {}, dict):
+            raise ConfigError(f"layers: expected a mapping, got {type(data['layers']).__name__}")
+        layers = {}
+        for k, v in (data.get("layers") or {}).items():
+            spec = parse_strict(LayerSpec, v, f"layers.{k}")
+            k = check_layer_options(k, spec.options, backbone.d_model, f"layers.{k}")
+            try:
+                parse_layout(f"{backbone.layout} | {k}" + ("" if spec.at is None else f"@{spec.at}"), backbone.n_layers)
+            except ValueError as e:
+                raise ConfigError(f"layers.{k}.at: {' '.join(str(e).split())}") from None
+            layers[k] = spec
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     return Preset(
         name=path.stem,
         backbone=dict(data.get("backbone") or {}),
@@ -134,12 +147,14 @@ def config_hash(cfg: dict) -> str:
 
 @functools.cache
 def git_sha() -> str:
-    """The commit of the memzoo checkout this runs from, '+dirty' if it has local changes."""
+    """The commit of the memzoo checkout this runs from, '+dirty' if it has local changes other
+    than the published results (a bench run appends to leaderboards/results.jsonl itself)."""
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, check=True
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)leaderboards"],
+            cwd=root, capture_output=True, text=True, check=True,
         ).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -214,7 +229,7 @@ class Recorder:
             "run_id": self.run_id,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        line = json.dumps(row, sort_keys=True, default=_jsonable) + "\n"
+        line = json.dumps(_finite_or_null(row), sort_keys=True, default=_jsonable, allow_nan=False) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
@@ -224,6 +239,17 @@ class Recorder:
             fcntl.flock(f, fcntl.LOCK_UN)
         self.rows.append(row)
         return row
+
+
+def _finite_or_null(x):
+    """The row with every non-finite float as None: results.jsonl stays strict JSON (no NaN)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_or_null(v) for v in x]
+    return x
 
 
 def _jsonable(x):
@@ -270,8 +296,10 @@ def save_png(fig, path: str | Path) -> Path:
     software/date metadata."""
     import matplotlib.pyplot as plt
 
+    from memzoo.storage import save_figure
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, format="png", metadata={"Software": None})
+    save_figure(fig, path, dpi=100, format="png", metadata={"Software": None})
     plt.close(fig)
     return path

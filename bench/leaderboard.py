@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from memzoo.bench.common import RESULTS, read_results
+from memzoo.storage import write_text
 
 SECTIONS = ("toys", "ppl", "niah", "cost")
 _DROP = ("config", "versions", "hardware")  # provenance kept in results.jsonl, not in the tables
@@ -90,7 +91,7 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
             lines += [f"![{path.stem}]({path.relative_to(out).as_posix()})", ""]
     lines += ["## Runs", "", *_runs_table(rows), ""]
     readme = out / "README.md"
-    readme.write_text("\n".join(lines))
+    write_text(readme, "\n".join(lines))
     return [readme, *written]
 
 

@@ -10,7 +10,9 @@ NIAH numbers would measure nothing. The paper preset trains on plain text (train
 
 A trained LM is cached under ``<work_dir>/lm/<layer>-<hash>/`` (the hash covers the model,
 the training settings, the mixture and the seed), so the suites of one run, and later runs
-with the same settings, train it once.
+with the same settings, train it once. Its files (model.pt, lm.json) are written atomically,
+lm.json last: a directory with lm.json holds a complete LM; one without is trained again
+from scratch (over any checkpoint a killed training left).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from memzoo.backbone.model import HybridLM
 from memzoo.bench.common import Context, config_hash, lm_train_config, model_config
 from memzoo.config import RunConfig
+from memzoo.storage import load_tensors, torch_save, write_text
 
 HELD_OUT_TITLES = ("Sonnets",)  # the ppl suite's short-document corpus comes from these
 _loaded: dict[str, tuple[HybridLM, dict]] = {}
@@ -74,10 +77,10 @@ def shared_lm(ctx: Context, layer: str) -> tuple[HybridLM, dict]:
     if done.exists():
         info = json.loads(done.read_text())
         model = HybridLM(rc.model).to(ctx.device)
-        model.load_state_dict(torch.load(out / "model.pt", map_location=ctx.device, weights_only=True))
+        model.load_state_dict(load_tensors(out / "model.pt", map_location=ctx.device))
     else:
         t0 = time.time()
-        result = train(rc, data=lm_data(rc, mix), progress=ctx.progress)
+        result = train(rc, data=lm_data(rc, mix), progress=ctx.progress, overwrite=True)
         model = result["model"]
         info = {
             "train_loss": result["train_loss"],
@@ -89,9 +92,9 @@ def shared_lm(ctx: Context, layer: str) -> tuple[HybridLM, dict]:
             "train_mix": mix,
             "config": {**rc.to_dict(), "train_mix": mix},
         }
-        torch.save(model.state_dict(), out / "model.pt")
+        torch_save(model.state_dict(), out / "model.pt")
         (out / "ckpt.pt").unlink(missing_ok=True)  # the optimizer state is not needed again
-        done.write_text(json.dumps(info, indent=1))
+        write_text(done, json.dumps(info, indent=1))
     model.eval()
     _loaded[str(out)] = (model, info)
     return model, info

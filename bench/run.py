@@ -94,7 +94,8 @@ def run_bench(
     jobs: int = 0,
 ) -> list[dict]:
     """Run the suites and return the recorded rows (also appended to <out>/results.jsonl).
-    `jobs`: worker processes (0 = one per CPU core on CPU, 1 on CUDA)."""
+    `jobs`: worker processes (0 = one per CPU core on CPU, 1 on CUDA). Bad arguments (a
+    negative `jobs`, an unavailable device, an unwritable `out` or `work_dir`) fail at once."""
     import multiprocessing as mp
     import os
 
@@ -102,7 +103,12 @@ def run_bench(
     from tqdm.auto import tqdm
 
     from memzoo.bench.common import read_results
+    from memzoo.storage import ensure_writable_dir
+    from memzoo.train import resolve_device
 
+    if jobs < 0:
+        raise ConfigError(f"--jobs must be >= 0 (0: one per CPU core on CPU, 1 on CUDA), got {jobs}")
+    device = resolve_device(device)
     torch.set_flush_denormal(True)  # GDN's strong decays make subnormals, ~10x slower on CPU
     names, todo, p = parse_layers(layers), parse_suites(suites), load_preset(preset)
     for s in todo:  # check every suite's settings before spending minutes on the first
@@ -111,8 +117,8 @@ def run_bench(
     cores = os.cpu_count() or 1
     jobs = jobs or (1 if device != "cpu" else cores)
     groups = share_out(names, max(1, min(jobs, len(names))))
-    rec = Recorder(out, p.name, seed)
-    work_dir = Path(work_dir or Path("runs") / "bench" / p.name)
+    rec = Recorder(ensure_writable_dir(out), p.name, seed)
+    work_dir = ensure_writable_dir(work_dir or Path("runs") / "bench" / p.name)
     print(f"memzoo bench: preset {p.name}, seed {seed}, layers {', '.join(names)}, suites {', '.join(todo)}"
           + (f", {len(groups)} workers: " + " | ".join(",".join(g) for g in groups) if len(groups) > 1 else ""))
     t0 = time.time()

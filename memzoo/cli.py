@@ -1,8 +1,14 @@
-"""The `memzoo` command: train, params, bench."""
+"""The `memzoo` command: train, params, bench.
+
+A user's mistake (a bad config or flag, a missing or unreadable file, an unwritable output, a
+run that diverged) is one line on stderr and exit status 2, not a traceback; set MEMZOO_DEBUG
+to see the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,14 +30,21 @@ def _expand(names: list[str]) -> list[str]:
 
 def cmd_params(args) -> int:
     from memzoo.backbone.model import count_params
-    from memzoo.config import load_config
+    from memzoo.config import ConfigError, load_config
 
-    rows = []
+    rows, failed = [], 0
     for name in _expand(args.configs):
-        rc = load_config(name)
+        try:  # one bad file is reported and skipped; the others are still counted
+            rc = load_config(name)
+        except ConfigError as e:
+            print(f"memzoo params: error: {e}", file=sys.stderr)
+            failed += 1
+            continue
         n = count_params(rc.model) / 1e6
         ref = rc.paper.get("params_m")
         rows.append((Path(rc.source).stem, rc.model.layout, n, ref))
+    if not rows:
+        return 1
     w, c = max(len(r[1]) for r in rows), max(6, max(len(r[0]) for r in rows))
     print(f"{'config':<{c}} {'layout':<{w}} {'memzoo (M)':>11} {'paper (M)':>10} {'diff':>8}")
     worst = 0.0
@@ -44,7 +57,7 @@ def cmd_params(args) -> int:
         print(f"{stem:<{c}} {layout:<{w}} {n:>11.2f} {ref:>10.2f} {diff:>+7.3f}%")
     if any(r[3] is not None for r in rows):
         print(f"largest deviation from the paper: {worst:.3f}%")
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_train(args) -> int:
@@ -52,10 +65,11 @@ def cmd_train(args) -> int:
     from memzoo.train import train
 
     rc = load_config(args.config)
-    overrides = {k: v for k, v in (("steps", args.steps), ("out_dir", args.out), ("seed", args.seed)) if v is not None}
-    for k, v in overrides.items():
-        setattr(rc.train, k, v)
-    result = train(rc, resume=args.resume)
+    overrides = (("steps", args.steps), ("out_dir", args.out), ("seed", args.seed), ("device", args.device))
+    for k, v in overrides:
+        if v is not None:
+            setattr(rc.train, k, v)
+    result = train(rc, resume=args.resume, overwrite=args.overwrite)
     print(
         f"done: step {result['step']}, train loss {result['train_loss']:.4f}, val loss {result['val_loss']:.4f} "
         f"(unigram entropy {result['unigram_entropy']:.4f} nats/token), checkpoint {result['checkpoint']}"
@@ -94,10 +108,13 @@ def main(argv: list[str] | None = None) -> int:
 
     t = sub.add_parser("train", help="train a model from a config (YAML path or shipped name, e.g. tiny/gdn)")
     t.add_argument("config")
-    t.add_argument("--resume", action="store_true", help="continue exactly from the last checkpoint in the out dir")
+    again = t.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue exactly from the last checkpoint in the out dir")
+    again.add_argument("--overwrite", action="store_true", help="delete the run already in the out dir, then train")
     t.add_argument("--steps", type=int, help="override train.steps")
     t.add_argument("--out", help="override train.out_dir")
     t.add_argument("--seed", type=int, help="override train.seed")
+    t.add_argument("--device", help="override train.device: cpu, cuda, cuda:N, or auto (cuda if available)")
     t.set_defaults(fn=cmd_train)
 
     q = sub.add_parser("params", help="count parameters on the meta device, beside the paper's figure")
@@ -111,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="leaderboards", help="rows are appended to OUT/results.jsonl")
     b.add_argument("--work-dir", help="cache of trained LMs (default runs/bench/<preset>)")
-    b.add_argument("--device", default="cpu")
+    b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (cuda if available)")
     b.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per CPU core on CPU, 1 on CUDA)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(fn=cmd_bench)
@@ -131,11 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        if getattr(args, "cmd", None) and "MEMZOO_DEBUG" not in __import__("os").environ:
-            print(f"memzoo {args.cmd}: error: {e}", file=sys.stderr)
-            return 2
-        raise
+    except Exception as e:
+        from memzoo.train import Diverged  # already imported where training raised it
+
+        if not isinstance(e, (ValueError, KeyError, OSError, Diverged)) or "MEMZOO_DEBUG" in os.environ:
+            raise
+        print(f"memzoo {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

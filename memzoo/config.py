@@ -1,6 +1,6 @@
 """Configs: strict dataclasses (unknown keys are errors, with a suggestion) and their YAML form.
 
-A YAML file has up to two sections:
+A YAML file has up to three sections:
 
     model:   ModelConfig fields (layout, sizes, per-memory-layer options under `memory:`)
     train:   TrainConfig fields (data, optimiser, schedule, checkpoints)
@@ -8,6 +8,11 @@ A YAML file has up to two sections:
 
 `zoo_configs/paper/*.yaml` are the paper's Table 2 rows; `zoo_configs/tiny/*.yaml` are CPU
 presets. A config name without a path (e.g. "paper/gdn") is looked up among them.
+
+Every field is checked when a config is loaded: its type (an int is not 1.5, "768" or true; a
+number may be written 1e-3, which YAML 1.1 reads as a string), its range, the layout, and each
+memory layer's options (the layer is built once on the meta device). A fault is one ConfigError
+line naming the key, e.g. `train.lr must be a number > 0, got 'abc' (str)`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
+import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +54,89 @@ def parse_strict(cls, d: dict | None, where: str):
     return _strict(cls, d, where)
 
 
+def _did_you_mean(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(str(name), valid, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---- the typed-field checker -----------------------------------------------------------------
+
+_KIND = {int: "an int", float: "a number", str: "a string", dict: "a mapping", tuple: "a list of numbers"}
+
+
+def _ge(low):
+    return lambda v: v >= low, f">= {low}"
+
+
+def _gt(low):
+    return lambda v: v > low, f"> {low}"
+
+
+def _number(v):
+    """`v` as a finite int/float, reading numeric strings (YAML 1.1 reads 1e-3 as one); else None."""
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            return None
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _typed(v, kind):
+    """`v` as a value of `kind` (ints stay ints in float fields, so hashes do not move), or None."""
+    if kind is float:
+        return _number(v)
+    if kind is tuple:
+        nums = [_number(x) for x in v] if isinstance(v, (list, tuple)) else [None]
+        return None if None in nums else tuple(nums)
+    if kind is int:
+        return v if type(v) is int else None  # not 1.5, "768" or True
+    return v if isinstance(v, kind) else None
+
+
+def _check_fields(obj, where: str, ranges: dict) -> None:
+    """Check (and normalise) every field of dataclass `obj` against its type and `ranges`
+    ({field: (test, text)}); the first fault is one ConfigError line naming `where.field`."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        v, kind = getattr(obj, f.name), hints[f.name]
+        test, text = ranges.get(f.name, (None, ""))
+        t = _typed(v, kind)
+        if t is None:
+            raise ConfigError(f"{where}.{f.name} must be {' '.join(filter(None, (_KIND[kind], text)))}, "
+                              f"got {v!r} ({type(v).__name__})")
+        if test is not None and not test(t):
+            raise ConfigError(f"{where}.{f.name} must be {text}, got {t!r}")
+        setattr(obj, f.name, t)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def check_layer_options(name: str, options, d_model: int, where: str) -> str:
+    """Check one memory layer's options by building it once on the meta device (no memory,
+    no draw from torch's RNG); returns the layer's registered name. `where` names the key."""
+    import torch
+
+    from memzoo.layers.base import build_layer
+    from memzoo.registry import get_layer, layer_names
+
+    try:
+        cls = get_layer(str(name))
+    except ValueError:
+        raise ConfigError(f"{where}: unknown memory layer {name!r}{_did_you_mean(name, layer_names())}; "
+                          f"registered layers: {', '.join(layer_names())}") from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"{where} must be a mapping of layer options, got {options!r} ({type(options).__name__})")
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            build_layer(cls.name, d_model, **options)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: {_one_line(e).removeprefix(cls.name + ': ')}") from None
+    return cls.name
+
+
 @dataclass
 class ModelConfig:
     """The hybrid backbone (paper defaults: Table 3)."""
@@ -68,15 +159,39 @@ class ModelConfig:
     gdn_head_dim: int = 64
     gdn_conv: int = 4
     gdn_chunk: int = 64
-    # options per memory layer name, e.g. {"fwpkm": {"topk": 8}}; checked by the layer itself
+    # options per memory layer name, e.g. {"fwpkm": {"topk": 8}}; checked by building the layer
     memory: dict = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "ModelConfig":
-        return _strict(cls, d, "model")
+    def from_dict(cls, d: dict | None, where: str = "model") -> "ModelConfig":
+        cfg = _strict(cls, d, where)
+        cfg.validate(where)
+        return cfg
+
+    def validate(self, where: str = "model") -> None:
+        from memzoo.backbone.layout import parse_layout
+
+        _check_fields(self, where, _MODEL_RANGES)
+        try:
+            parse_layout(self.layout, self.n_layers)
+        except ValueError as e:
+            raise ConfigError(f"{where}.layout: {_one_line(e)}") from None
+        self.memory = {check_layer_options(name, opts, self.d_model, f"{where}.memory.{name}"): opts
+                       for name, opts in self.memory.items()}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# {field: (test, text)}; other fields are checked for their type only
+_MODEL_RANGES = {
+    **dict.fromkeys(("d_model", "n_layers", "ffn_dim", "attn_heads", "attn_kv_heads", "attn_head_dim",
+                     "window", "gdn_heads", "gdn_head_dim", "gdn_conv", "gdn_chunk"), _ge(1)),
+    "vocab_size": _ge(2),
+    "norm_eps": _gt(0),
+    "rope_theta": _gt(0),
+    "p_window": (lambda v: 0 < v <= 1, "in (0, 1]"),
+}
 
 
 @dataclass
@@ -104,22 +219,45 @@ class TrainConfig:
     out_dir: str = "runs/default"
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "TrainConfig":
-        cfg = _strict(cls, d, "train")
-        cfg.betas = tuple(cfg.betas)
-        cfg.validate()
+    def from_dict(cls, d: dict | None, where: str = "train") -> "TrainConfig":
+        cfg = _strict(cls, d, where)
+        cfg.validate(where)
         return cfg
 
-    def validate(self) -> None:
-        for name, low in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("grad_accum", 1),
-                          ("eval_every", 1), ("eval_batches", 1), ("ckpt_every", 1), ("warmup", 0)):
-            if getattr(self, name) < low:
-                raise ConfigError(f"train.{name} must be >= {low}, got {getattr(self, name)}")
+    def validate(self, where: str = "train") -> None:
+        import torch
+
+        from memzoo.data.corpora import corpus_names
+
+        _check_fields(self, where, _TRAIN_RANGES)
+        if self.min_lr > self.lr:
+            raise ConfigError(f"{where}.min_lr must be <= {where}.lr ({self.lr}), got {self.min_lr}")
+        if self.corpus not in corpus_names():
+            raise ConfigError(f"{where}.corpus must be one of {', '.join(corpus_names())}, "
+                              f"got {self.corpus!r}{_did_you_mean(self.corpus, corpus_names())}")
+        tok = self.tokenizer  # a Hub id (org/name) or a local directory is loaded by transformers
+        if tok not in ("byte", "mistral") and not re.fullmatch(r"([\w-]+/)?[\w.-]+", tok) and not Path(tok).is_dir():
+            raise ConfigError(f"{where}.tokenizer must be 'byte', 'mistral', a Hugging Face model id or a local "
+                              f"directory, got {tok!r}")
+        try:
+            self.device == "auto" or torch.device(self.device)  # auto: cuda if available, else cpu
+        except (RuntimeError, ValueError):
+            raise ConfigError(f"{where}.device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', "
+                              f"got {self.device!r}") from None
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
         return d
+
+
+_TRAIN_RANGES = {
+    **dict.fromkeys(("seq_len", "batch_size", "steps", "grad_accum", "eval_every", "eval_batches",
+                     "ckpt_every"), _ge(1)),
+    **dict.fromkeys(("warmup", "threads", "min_lr", "weight_decay", "grad_clip"), _ge(0)),
+    "lr": _gt(0),
+    "betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "[beta1, beta2], each in [0, 1)"),
+}
 
 
 @dataclass
@@ -154,17 +292,37 @@ def resolve_config_path(name: str | Path) -> Path:
     raise ConfigError(f"no config {str(name)!r}: not a file, and not one of the shipped configs: {', '.join(known)}")
 
 
+def read_yaml(path: Path, sections: tuple[str, ...]) -> dict:
+    """The mapping in YAML file `path`, whose keys must be among `sections`; a syntax error
+    is one ConfigError line naming the file and line."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}{at}: invalid YAML: {_one_line(getattr(e, 'problem', None) or e)}") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with the sections {', '.join(sections)}, "
+                          f"got {type(data).__name__}")
+    bad = [k for k in data if k not in sections]
+    if bad:
+        raise ConfigError(f"{path}: unknown section {bad[0]!r}{_did_you_mean(bad[0], list(sections))}; "
+                          f"valid sections: {', '.join(sections)}")
+    return data
+
+
 def load_config(name: str | Path) -> RunConfig:
     path = resolve_config_path(name)
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping with 'model' and/or 'train'")
-    bad = set(data) - {"model", "train", "paper"}
-    if bad:
-        raise ConfigError(f"{path}: unknown top-level key(s) {sorted(bad)}; valid: model, train, paper")
-    return RunConfig(
-        ModelConfig.from_dict(data.get("model")),
-        TrainConfig.from_dict(data.get("train")),
-        str(path),
-        dict(data.get("paper") or {}),
-    )
+    data = read_yaml(path, ("model", "train", "paper"))
+    try:
+        if not isinstance(data.get("paper") or {}, dict):
+            raise ConfigError(f"paper: expected a mapping, got {type(data['paper']).__name__}")
+        return RunConfig(
+            ModelConfig.from_dict(data.get("model")),
+            TrainConfig.from_dict(data.get("train")),
+            str(path),
+            dict(data.get("paper") or {}),
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

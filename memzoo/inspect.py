@@ -8,6 +8,9 @@ show what their `stats()` report.
 
 The text is read as the model was trained to read: in calls of the training sequence length,
 fast weights carried from call to call (``keep_memory``), the backbone's state too (cache).
+
+Model files are read with ``weights_only=True`` (`memzoo.storage.load_tensors`): a file that
+holds anything but tensors and plain containers is refused, and nothing in it runs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 import torch
 
 from memzoo.backbone.model import HybridLM
+from memzoo.storage import load_tensors
 
 
 def load_model(path: str | Path) -> tuple[HybridLM, str, int]:
@@ -31,11 +35,11 @@ def load_model(path: str | Path) -> tuple[HybridLM, str, int]:
     if (d / "lm.json").exists():  # a bench LM
         cfg = json.loads((d / "lm.json").read_text())["config"]
         model = HybridLM(ModelConfig.from_dict(cfg["model"]))
-        model.load_state_dict(torch.load(d / "model.pt", map_location="cpu", weights_only=True))
+        model.load_state_dict(load_tensors(d / "model.pt"))
         return model.eval(), cfg["train"]["tokenizer"], cfg["train"]["seq_len"]
     ckpt = p if p.is_file() else d / "ckpt.pt"
     if ckpt.exists():
-        ck = torch.load(ckpt, map_location="cpu", weights_only=False)
+        ck = load_tensors(ckpt)
         model = HybridLM(ModelConfig.from_dict(ck["config"]["model"]))
         model.load_state_dict(ck["model"])
         return model.eval(), ck["config"]["train"]["tokenizer"], ck["config"]["train"]["seq_len"]

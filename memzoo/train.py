@@ -3,25 +3,70 @@
 Exact resume: batch number s is a pure function of (seed, s) (`LMStream.batch`), and a
 checkpoint holds the model (whose state_dict includes the fast weights of persistent memory
 layers), the optimizer and torch's RNG (pSWA draws from it). So `--resume` after a kill replays exactly what the
-uninterrupted run would have done. Checkpoints are written to a temporary file and renamed,
-so a kill mid-write never leaves a broken checkpoint.
+uninterrupted run would have done.
+
+What a run guarantees:
+
+* Every file it writes (ckpt.pt, config.json, metrics.jsonl) is written atomically
+  (`memzoo.storage`), so a kill mid-write never leaves a broken file; metrics.jsonl is rewritten
+  at every checkpoint, so a killed or diverged run keeps its metrics up to its last checkpoint.
+* A checkpoint is loaded with ``weights_only=True``: a file holding anything but tensors and
+  plain containers is refused and nothing in it runs.
+* An out dir holding another run is refused unless the run is resumed or overwritten.
+* A non-finite loss (training or validation) or non-finite weights stop the run with
+  `Diverged`, naming the step; no checkpoint of broken weights is written, the last good one is
+  kept, and metrics.jsonl is strict JSON (no NaN).
+* Bad settings fail before any data is prepared: an unwritable out dir, an unavailable device,
+  a resume with a changed config (the message lists the changed fields).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from memzoo.backbone.model import HybridLM, MemzooConfig
 from memzoo.config import ConfigError, RunConfig
+from memzoo.storage import ensure_writable_dir, load_tensors, torch_save, write_text
 
 CKPT = "ckpt.pt"
+RUN_FILES = (CKPT, "config.json", "metrics.jsonl")  # what makes a directory hold a run
+
+
+class Diverged(RuntimeError):
+    """Training stopped on a non-finite loss or weights; the last good checkpoint is kept."""
+
+
+def resolve_device(spec: str) -> str:
+    """cpu, cuda, cuda:N (checked to be present), or auto: cuda if available, else cpu."""
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"unknown device {spec!r}: use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {spec!r} is not available: torch.cuda.is_available() is False; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {spec!r} is not available: {torch.cuda.device_count()} CUDA device(s) present")
+    return spec
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """'train.lr 0.001 -> 0.002' for every leaf that differs between two config dicts."""
+    out = []
+    for k in sorted(set(old) | set(new), key=str):
+        a, b = old.get(k, "(unset)"), new.get(k, "(unset)")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k} {a!r} -> {b!r}")
+    return out
 
 
 def lr_at(step: int, tc) -> float:
@@ -53,12 +98,6 @@ def param_groups(model: torch.nn.Module, tc) -> list[dict]:
         g.setdefault("lr_scale", 1.0)
         g.setdefault("weight_decay", tc.weight_decay)
     return groups + special
-
-
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 @torch.no_grad()
@@ -95,42 +134,70 @@ def prepare_data(rc: RunConfig):
 
 
 def train(
-    rc: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True, data=None
+    rc: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True, data=None,
+    overwrite: bool = False,
 ) -> dict:
     """Train per `rc`; `stop_after` ends the run after that many steps *without* a final
     checkpoint, exactly like a kill (used by the resume test). `data` replaces the corpus
     named in the config: (stream with .batch(step, batch_size) -> (x, y), validation
-    batches, unigram entropy), as `prepare_data` returns (the bench mixes needles in)."""
+    batches, unigram entropy), as `prepare_data` returns (the bench mixes needles in).
+    An out dir that holds another run is an error unless `resume` (continue it) or
+    `overwrite` (delete its files first)."""
     tc = rc.train
+    tc.device = resolve_device(tc.device)  # "auto" becomes a device here
     tc.validate()  # also after command-line overrides
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    out = ensure_writable_dir(tc.out_dir)
+    ckpt_path = out / CKPT
+    found = [n for n in RUN_FILES if (out / n).exists()]
+    if found and not (resume or overwrite):
+        raise FileExistsError(f"{out} holds another run ({', '.join(found)}); "
+                              "pass --resume to continue it or --overwrite to replace it")
+    if overwrite:
+        for n in RUN_FILES:
+            (out / n).unlink(missing_ok=True)
+    ck = None
+    if resume:
+        if not ckpt_path.exists():
+            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; train without --resume first")
+        ck = load_tensors(ckpt_path)  # on the CPU: torch's RNG state must stay a CPU tensor
+        # where the run is written and what it runs on may change (a moved dir, CPU -> GPU)
+        changes = [c for c in config_changes(ck["config"], rc.to_dict())
+                   if not c.startswith(("train.out_dir ", "train.device ", "train.threads "))]
+        if changes:
+            raise ConfigError(f"--resume: the checkpoint in {out} was written by a different config: {', '.join(changes)}")
     if tc.threads:
         torch.set_num_threads(tc.threads)
     # strong GDN decays make subnormal floats, which are ~10x slower on x86 CPUs; flush them
     torch.set_flush_denormal(True)
-    out = Path(tc.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
     stream, val_batches, unigram_h = prepare_data(rc) if data is None else data
 
     model = HybridLM(MemzooConfig.from_model_config(rc.model)).to(tc.device)
     model.train()
     opt = torch.optim.AdamW(param_groups(model, tc), lr=tc.lr, betas=tc.betas)
-    step, history = 0, []
-    ckpt_path = out / CKPT
-    if resume:
-        if not ckpt_path.exists():
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; train without --resume first")
-        ck = torch.load(ckpt_path, map_location=tc.device, weights_only=False)
-        if ck["config"] != rc.to_dict():
-            raise ConfigError(f"--resume: the checkpoint in {out} was written by a different config")
+    step, history, saved = 0, [], None
+    if ck is not None:
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         torch.set_rng_state(ck["rng"])
-        step, history = ck["step"], ck["history"]
-    (out / "config.json").write_text(json.dumps(rc.to_dict(), indent=1))
+        step, history, saved = ck["step"], ck["history"], ck["step"]
+    write_text(out / "config.json", json.dumps(rc.to_dict(), indent=1))
+
+    def write_metrics():
+        write_text(out / "metrics.jsonl", "".join(json.dumps(r, allow_nan=False) + "\n" for r in history))
+
+    def stop(what: str, at: int, lr: float):
+        bar.close()
+        kept = f"the last good checkpoint (step {saved}) in {out} is kept" if saved else "no checkpoint was written"
+        raise Diverged(f"{what} at step {at} (lr {lr:.1e}); {kept}; "
+                       "lower train.lr or raise train.warmup")
 
     def save():
-        _atomic_save(
+        if not all(torch.isfinite(p).all() for p in model.parameters()):
+            stop("the weights are not finite", step, lr)
+        torch_save(
             {
                 "model": model.state_dict(),
                 "opt": opt.state_dict(),
@@ -141,6 +208,7 @@ def train(
             },
             ckpt_path,
         )
+        write_metrics()
 
     n_params = sum(p.numel() for p in model.parameters())
     bar = tqdm(total=tc.steps, initial=step, disable=not progress, desc=f"train {rc.model.layout} ({n_params / 1e6:.2f}M)")
@@ -156,6 +224,8 @@ def train(
             loss = model(x.to(tc.device), targets=y.to(tc.device)).loss / tc.grad_accum
             loss.backward()
             loss_sum += loss.item()
+        if not math.isfinite(loss_sum):
+            stop(f"loss is {loss_sum}", step + 1, lr)
         if tc.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
@@ -165,6 +235,8 @@ def train(
         rec = {"step": step, "loss": loss_sum, "lr": lr}
         if step % tc.eval_every == 0 or step == tc.steps:
             val_loss = evaluate(model, val_batches)
+            if not math.isfinite(val_loss):
+                stop(f"validation loss is {val_loss}", step, lr)
             rec["val_loss"] = val_loss
         history.append(rec)
         toks = done_here * tc.batch_size * tc.grad_accum * tc.seq_len / (time.time() - t0)
@@ -175,10 +247,8 @@ def train(
             return {"step": step, "history": history, "killed": True}
         if step % tc.ckpt_every == 0 or step == tc.steps:
             save()
+            saved = step
     bar.close()
-    with open(out / "metrics.jsonl", "w") as f:
-        for r in history:
-            f.write(json.dumps(r) + "\n")
     tail = [r["loss"] for r in history[-10:]]
     return {
         "step": step,

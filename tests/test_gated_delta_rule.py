@@ -145,6 +145,20 @@ def test_recurrent_equals_chunked(C, with_h0):
     torch.testing.assert_close(ht_c, ht_r, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_chunked_is_causal_under_nonfinite_input(bad):
+    """A non-finite token at s (mid-chunk) leaves the outputs before s as they were: the causal
+    masks select, they never multiply a later token by 0 (0 × NaN = NaN)."""
+    q, k, v, g, beta, h0 = make_inputs(2, 45, 2, 8, 12, dtype=torch.float64, seed=5)
+    o_ref, _ = gated_delta_rule_chunked(q, k, v, g, beta, initial_state=h0, chunk_size=16)
+    s = 21
+    for t in (q, k, v, g, beta):
+        t[:, s] = bad
+    o, h = gated_delta_rule_chunked(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16)
+    torch.testing.assert_close(o[:, :s], o_ref[:, :s], atol=1e-10, rtol=1e-10)
+    assert not o[:, s:].isfinite().all(-1).any() and not h.isfinite().all()
+
+
 def test_recurrent_matches_fla_naive_recurrent():
     q, k, v, g, beta, h0 = make_inputs(2, 21, 2, 16, 8, seed=6)
     o, ht = gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True)

@@ -11,7 +11,9 @@ Properties:
      (trained briefly, then evaluated on fresh pairs), better than chance and better than
      reading without writing; for iterative layers, better after a second write.
   4. Gradients reach every slow weight; no fast weight is a slow parameter.
-  Plus: load_state round trip, clear errors for bad shapes / batch size, detach_state.
+  5. Causality under non-finite input: a NaN/inf token at position t leaves every output
+     before t finite; an empty sequence (T = 0) gives an empty output and changes no state.
+  Plus: load_state round trip, clear errors for bad shapes / batch size / bad options, detach_state.
 
 Optional hooks a layer class may define (looked up with getattr; none is required):
 
@@ -23,6 +25,9 @@ Optional hooks a layer class may define (looked up with getattr; none is require
                        gradient from one forward (say why in the layer's docstring).
   test_targets(x)      classmethod -> targets for needs_targets layers; sliced along dim 1
                        together with x when streaming.
+  parallel_chunk       int: the chunk length of a token-recurrent layer's parallel form; the
+                       non-finite-input test spans three of them (three chunk_size chunks for
+                       chunk-level layers, 48 tokens otherwise).
 
 Parameters are perturbed by small noise before the structural tests, so that a zero-init
 (e.g. an output projection or gate initialised to 0) cannot make a property hold vacuously.
@@ -31,6 +36,7 @@ Parameters are perturbed by small noise before the structural tests, so that a z
 from __future__ import annotations
 
 import fnmatch
+import re
 
 import pytest
 import torch
@@ -241,6 +247,40 @@ def test_bad_input_raises_clearly(name):
                 verb(x3)
 
 
+BAD_OPTIONS = [  # (layer, bad option on top of test_config(), the option the error must name)
+    ("linear", {"num_heads": 0}, "num_heads"),
+    ("linear", {"eps": -1.0}, "eps"),
+    ("mom", {"topk": 5}, "topk"),
+    ("mom", {"aux_loss_weight": -0.1}, "aux_loss_weight"),
+    ("mom", {"norm_eps": 0.0}, "norm_eps"),
+    ("lact", {"chunk_size": 0}, "chunk_size"),
+    ("lact", {"rope_theta": 0.0}, "rope_theta"),
+    ("lact", {"norm_eps": -1e-5}, "norm_eps"),
+    ("lact", {"init_std": -0.02}, "init_std"),
+    ("pkm", {"topk": 9}, "topk"),
+    ("pkm", {"norm_eps": 0.0}, "norm_eps"),
+    ("ba", {"decay": 1.5}, "decay"),
+    ("ba", {"activation": "gelu"}, "activation"),
+    ("fwl", {"decay": 1.0}, "decay"),
+    ("fwl", {"step_size": -1e-3}, "step_size"),
+    ("fwl", {"eps": 0.0}, "eps"),
+]
+
+
+@pytest.mark.parametrize("name, bad, option", BAD_OPTIONS)
+def test_bad_options_raise_clearly(name, bad, option):
+    """A bad constructor option is a one-line ValueError that names it."""
+    with pytest.raises(ValueError, match=re.escape(option)) as err:
+        build_layer(name, d_model=D, **{**_config(name), **bad})
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_zero_d_model_raises(name):
+    with pytest.raises(ValueError, match="d_model"):
+        build_layer(name, d_model=0, **_config(name))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_detach_state_cuts_grad(name):
     layer = make_layer(name)
@@ -254,6 +294,44 @@ def test_detach_state_cuts_grad(name):
     y.sum().backward()
     layer.detach_state()
     assert all(v.grad_fn is None for v in layer.state.values())
+
+
+# ---- 5. non-finite input and empty sequences ---------------------------------------------------
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("name", NAMES)
+def test_nonfinite_input_stays_causal(name, bad):
+    """A NaN/inf token at position t (mid-chunk, in one sequence of two) leaves every output
+    before t finite, in both sequences. A chunked parallel form that masks the future by
+    multiplying with 0 fails this: 0 × NaN = NaN carries the token back to earlier positions.
+    (Chunk-level read-then-write layers too: positions of t's chunk before t read the memory
+    written before the chunk.)"""
+    layer = make_layer(name)
+    C = layer.chunk_size or getattr(layer, "parallel_chunk", 16)
+    T, t = 3 * C, C + C // 2 + 1
+    x = rand_x(2, T)
+    tg = targets_for(layer, x)
+    x[1, t] = bad
+    layer.reset(batch(layer, 2))
+    y = fwd(layer, x, tg).detach()
+    assert y.shape == (2, T, D)
+    leaked = (~y[:, :t].isfinite()).any(-1).nonzero()
+    assert not len(leaked), f"{bad} at t={t} (T={T}) reached earlier (sequence, position)s: {leaked.tolist()[:8]}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_sequence(name):
+    """T = 0: forward and read return [B, 0, D]; forward, read and write leave the state as it was."""
+    layer = make_layer(name)
+    T, _ = seq_plan(layer)
+    layer.reset(batch(layer, 2))
+    wr(layer, rand_x(2, T))  # a written state, not the initial one
+    before = clone_state(layer.state)
+    x0 = rand_x(2, 0)
+    assert fwd(layer, x0, targets_for(layer, x0)).shape == (2, 0, D)
+    assert_states_equal(clone_state(layer.state), before)
+    assert layer.read(x0).shape == (2, 0, D)
+    wr(layer, x0)
+    assert_states_equal(clone_state(layer.state), before)
 
 
 # ---- 4. gradients and slow/fast separation --------------------------------------------------

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from memzoo import build_layer, get_layer
 from memzoo.layers.linear_attention import LinearAttentionMemory
 from memzoo.ops.linear_attention import (
+    causal_matmul,
     linear_attention_chunked,
     linear_attention_final_state,
     linear_attention_recurrent,
@@ -76,6 +77,37 @@ def test_strong_decay_is_stable_in_float32():
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(s, s_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(linear_attention_final_state(k, v, ld, s0), s_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("diagonal", [0, -1])
+def test_causal_matmul(diagonal):
+    """Finite values: exactly the masked matmul. A non-finite value (or a non-finite score above
+    the diagonal) reaches only the rows allowed to see it."""
+    g = torch.Generator().manual_seed(0)
+    A, V = torch.randn(2, 7, 7, generator=g, dtype=torch.float64), torch.randn(2, 7, 3, generator=g, dtype=torch.float64)
+    assert torch.equal(causal_matmul(A, V, diagonal), A.tril(diagonal) @ V)
+    A[:, 2, 5], V[:, 4, 1] = float("nan"), float("inf")
+    out = causal_matmul(A, V, diagonal)
+    first = 4 - diagonal  # the first row that sees V's row 4
+    torch.testing.assert_close(out[:, :first], (A.tril(diagonal) @ V.nan_to_num(posinf=0))[:, :first], rtol=0, atol=0)
+    assert not out[:, first:, 1].isfinite().any()
+
+
+@pytest.mark.parametrize("decay", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_chunked_is_causal_under_nonfinite_input(decay, bad):
+    """A non-finite token at s (mid-chunk) leaves the outputs before s as they were: the causal
+    mask selects, it never multiplies a later token by 0 (0 × NaN = NaN)."""
+    q, k, v, ld, s0 = _inputs(T=37, decay=decay)
+    o_ref, _ = linear_attention_chunked(q, k, v, ld, s0, chunk_size=8)
+    s = 13
+    for t in (q, k, v):
+        t[:, s] = bad
+    if decay:
+        ld[:, s] = float("nan")
+    o, S = linear_attention_chunked(q, k, v, ld, s0, chunk_size=8)
+    torch.testing.assert_close(o[:, :s], o_ref[:, :s], **F64)
+    assert not o[:, s:].isfinite().all(-1).any() and not S.isfinite().all()
 
 
 def test_op_dtypes_and_empty_sequence():

@@ -51,12 +51,13 @@ import re
 import shutil
 import subprocess
 import tarfile
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from importlib import util as importlib_util
 from pathlib import Path
 
 import datasets
+
+from memzoo.storage import atomic_open
 
 __all__ = [
     "BIBLE_SETUP",
@@ -104,19 +105,11 @@ def cache_dir(*parts: str) -> Path:
 
 
 def _atomic_write_jsonl(path: Path, records: Iterable[dict]) -> None:
-    """Write ``records`` as JSON lines to ``path`` via a temporary file and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec, ensure_ascii=False))
-                f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write ``records`` as JSON lines to ``path``, atomically (`memzoo.storage.atomic_open`)."""
+    with atomic_open(path) as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False))
+            f.write("\n")
 
 
 def _clean_text(text: str) -> str:

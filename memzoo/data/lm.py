@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import re
-import tempfile
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import torch
 
 from memzoo.data.corpora import cache_dir
 from memzoo.data.tokenizers import Tokenizer
+from memzoo.storage import torch_save
 
 __all__ = [
     "LMStream",
@@ -43,18 +41,6 @@ def _corpus_digest(ds) -> str:
         h.update(f"{doc_id}:{len(data)}:".encode())
         h.update(data)
     return h.hexdigest()[:16]
-
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def tokenize_corpus(ds, tok: Tokenizer, *, cache: bool = True) -> list[torch.Tensor]:
@@ -82,7 +68,7 @@ def tokenize_corpus(ds, tok: Tokenizer, *, cache: bool = True) -> list[torch.Ten
         flat = torch.cat(docs) if docs else torch.empty(0, dtype=torch.long)
         dtype = torch.int32 if tok.vocab_size < 2**31 else torch.long
         lengths = torch.tensor([len(d) for d in docs], dtype=torch.long)
-        _atomic_torch_save({"flat": flat.to(dtype), "lengths": lengths}, path)
+        torch_save({"flat": flat.to(dtype), "lengths": lengths}, path)
     return docs
 
 

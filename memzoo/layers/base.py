@@ -81,6 +81,8 @@ class MemoryLayer(nn.Module):
 
     def __init__(self, d_model: int):
         super().__init__()
+        if d_model < 1:
+            raise ValueError(f"d_model must be >= 1, got {d_model}")
         self.d_model = d_model
         self._batch_size = 1
 

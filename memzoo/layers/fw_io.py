@@ -22,6 +22,8 @@ from memzoo.backbone.ffn import RMSNorm
 
 def zscore(v: Tensor, eps: float = 1e-6) -> Tensor:
     """Zero mean, unit (unbiased) standard deviation over the feature dimension (Sec. 3.4.3)."""
+    if v.numel() == 0:  # no tokens (T = 0): nothing to normalise
+        return v
     return (v - v.mean(-1, keepdim=True)) / (v.std(-1, keepdim=True) + eps)
 
 

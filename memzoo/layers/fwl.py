@@ -88,6 +88,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers.base import MemoryLayer, State
+from memzoo.ops.linear_attention import causal_matmul
 from memzoo.registry import register_layer
 
 #: the fast weights, in the order of the step-size and decay vectors
@@ -96,9 +97,9 @@ FAST = ("U", "a", "W", "b", "g", "beta")
 Head = Callable[[Tensor], Tensor]
 
 
-def _excl(mask: Tensor, g: Tensor) -> Tensor:
-    """Σ_{i<t} g_i for every t of a chunk (the strictly-causal cumsum), g [B, c, N]."""
-    return torch.einsum("ts,bsn->btn", mask, g)
+def _excl(g: Tensor) -> Tensor:
+    """Σ_{i<t} g_i for every t of a chunk (the exclusive cumsum), g [B, c, N]."""
+    return F.pad(g.cumsum(1), (0, 0, 1, 0))[:, :-1]
 
 
 @register_layer("fwl")
@@ -145,6 +146,10 @@ class FWL(MemoryLayer):
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1) (it is sigmoid-parametrised), got {decay}")
+        if not step_size >= 0:
+            raise ValueError(f"step_size must be >= 0, got {step_size}")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps}")
         self.hidden = H = expansion * d_model
         self.chunk_size = int(chunk_size)
         self.eps = eps
@@ -184,9 +189,9 @@ class FWL(MemoryLayer):
     # ---- the slow pass: f_θ, the per-position losses L_t and their gradients ----------------
     def _norm(self, z: Tensor) -> tuple[Tensor, Tensor]:
         """LayerNorm without affine: (ẑ, 1/σ)."""
-        mu = z.mean(-1, keepdim=True)
-        rstd = torch.rsqrt(z.var(-1, unbiased=False, keepdim=True) + self.eps)
-        return (z - mu) * rstd, rstd
+        zc = z - z.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(zc.square().mean(-1, keepdim=True) + self.eps)  # (var warns when T = 0)
+        return zc * rstd, rstd
 
     def _slow_pass(self, x: Tensor, targets: Tensor, head: Head | None) -> dict[str, Tensor]:
         """Activations of f_θ at every position (the keys of Eq. 2) and the per-position
@@ -243,32 +248,32 @@ class FWL(MemoryLayer):
 
     def _fast(self, x: Tensor, state: State, slow: dict[str, Tensor] | None, alpha: dict[str, Tensor]) -> Tensor:
         """f_θ'(x_t) for every position of one chunk: θ' = θ - α ∘ (ΔΘ + Σ_{i<t in chunk} ∇θ L_i).
-        Without `slow` (a read) only the carried ΔΘ is used."""
+        Without `slow` (a read) only the carried ΔΘ is used. The sums over i < t are an exclusive
+        cumsum and causal_matmul, not products with a 0/1 mask (0 × NaN = NaN), so a NaN/inf at
+        position t leaves every earlier output of the chunk finite."""
         dt = state["dU"].dtype
         x = x.to(dt)
         U, a, W, b, g, beta = (getattr(self, n).to(dt) for n in FAST)
         if slow is not None:
-            c = x.shape[1]
-            mask = torch.ones(c, c, dtype=dt, device=x.device).tril(-1)  # i < t
             s = {k: v.to(dt) for k, v in slow.items()}
         # layer 1: query x'_t = x_t (the input is the same in both passes)
         pre = x @ U + a - alpha["U"] * (x @ state["dU"]) - alpha["a"] * state["da"][:, None]
         if slow is not None:
-            att = torch.einsum("btd,bsd->bts", x, s["x"]) * mask  # Eq. 2: (v'_t · v_i), i < t
-            pre = pre - alpha["U"] * (att @ s["g_pre"]) - alpha["a"] * _excl(mask, s["g_pre"])
+            att = x @ s["x"].mT  # Eq. 2: (v'_t · v_i), summed over i < t
+            pre = pre - alpha["U"] * causal_matmul(att, s["g_pre"], -1) - alpha["a"] * _excl(s["g_pre"])
         r = F.relu(pre).square()
         # layer 2: query r'_t (fast), keys r_i (slow)
         z = r @ W + b - alpha["W"] * (r @ state["dW"]) - alpha["b"] * state["db"][:, None]
         if slow is not None:
-            att = torch.einsum("bth,bsh->bts", r, s["r"]) * mask
-            z = z - alpha["W"] * (att @ s["g_z"]) - alpha["b"] * _excl(mask, s["g_z"])
+            att = r @ s["r"].mT
+            z = z - alpha["W"] * causal_matmul(att, s["g_z"], -1) - alpha["b"] * _excl(s["g_z"])
         zhat, _ = self._norm(z)
         # LayerNorm's gain and bias: vectors, an exclusive cumsum of their gradients
         gain = g - alpha["g"] * state["dg"][:, None]
         bias = beta - alpha["beta"] * state["dbeta"][:, None]
         if slow is not None:
-            gain = gain - alpha["g"] * _excl(mask, s["g_g"])
-            bias = bias - alpha["beta"] * _excl(mask, s["g_beta"])
+            gain = gain - alpha["g"] * _excl(s["g_g"])
+            bias = bias - alpha["beta"] * _excl(s["g_beta"])
         return gain * zhat + bias
 
     def _accumulate(self, state: State, slow: dict[str, Tensor], gamma: dict[str, Tensor]) -> State:

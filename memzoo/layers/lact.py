@@ -208,8 +208,8 @@ class LaCT(MemoryLayer):
         learnable_ttt_scale: per-head output scale silu(w_s·h + b_s) (True).
         qk_norm: RMSNorm on q, k before the per-channel scale (the reference's ``attn_qk_norm``,
             off in its configs).
-        v_silu: silu on v too (the reference's ``qkv_silu`` without ``no_v_silu``; the FwPKM
-            authors' run sets ``no_v_silu``: False).
+        v_silu: silu on v too (the reference's ``qkv_silu`` without ``no_v_silu``). The FwPKM
+            authors' run sets ``no_v_silu: true`` (l12-lact-c512w2048.json), i.e. ``v_silu=False``.
         rope_head_dim: RoPE on q, k in heads of this size (64: the attention head size the
             reference borrows); None = no positional encoding (the reference's ``ttt_nope``).
         rope_theta: RoPE base (10000 in the FwPKM authors' config).
@@ -271,6 +271,11 @@ class LaCT(MemoryLayer):
             raise ValueError(f"w0_w2_low_rank must be a positive integer or None (full rank), got {w0_w2_low_rank!r}")
         if not base_lr > 0:
             raise ValueError(f"base_lr must be > 0 (softplus rates are positive), got {base_lr!r}")
+        for what, v in (("rope_theta", rope_theta), ("norm_eps", norm_eps)):
+            if not v > 0:
+                raise ValueError(f"{what} must be > 0, got {v!r}")
+        if not init_std >= 0:
+            raise ValueError(f"init_std must be >= 0, got {init_std!r}")
         self.num_heads, self.head_dim, self.hidden_dim = num_heads, head, hidden
         self.inter_multi = inter_multi
         self.chunk_size = chunk_size
@@ -366,7 +371,7 @@ class LaCT(MemoryLayer):
             pos = state["pos"][:, None] + torch.arange(T, device=x.device)
             q, k = rope(q, pos, self.rope_head_dim, self.rope_theta), rope(k, pos, self.rope_head_dim, self.rope_theta)
         sd = self._state_dtype()
-        to_heads = lambda t: t.reshape(B, T, H, -1).transpose(1, 2).to(sd)  # noqa: E731  [B, H, T, .]
+        to_heads = lambda t: t.reshape(B, T, H, d).transpose(1, 2).to(sd)  # noqa: E731  [B, H, T, d]
         lr = F.softplus(self.lr_proj(x).to(sd) + inv_softplus(self.base_lr)).view(B, T, H, 3).permute(3, 0, 2, 1)
         out = {"q": to_heads(q), "k": to_heads(k), "v": to_heads(v), "lr": (lr[0], lr[1], lr[2])}
         out["mu"] = torch.sigmoid(self.momentum_proj(x).to(sd)).transpose(1, 2) if self.use_momentum else None

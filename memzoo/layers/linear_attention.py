@@ -106,6 +106,8 @@ class LinearAttentionMemory(MemoryLayer):
             raise ValueError(f"head_dim must be >= 1, got {head_dim}")
         if feature_map not in FEATURE_MAPS:
             raise ValueError(f"unknown feature_map {feature_map!r}; choose one of {list(FEATURE_MAPS)}")
+        if not eps >= 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
         if normalize is None:
             normalize = feature_map == "elu"
         elif normalize and feature_map != "elu":
@@ -188,7 +190,7 @@ class LinearAttentionMemory(MemoryLayer):
         """o: [B, T, H, V(+1)] in state dtype -> y [B, T, D]."""
         if self.normalize:
             o = o[..., :-1] / (o[..., -1:] + self.eps)
-        return self.o_proj(o.reshape(*o.shape[:2], -1).to(x.dtype))
+        return self.o_proj(o.flatten(-2).to(x.dtype))
 
     # ---- read ----------------------------------------------------------------------------
     def read_state(self, x: Tensor, state: State) -> Tensor:

@@ -34,7 +34,9 @@ how the parallel forward works: the tokens routed to memory m are gathered in ti
 (a stable sort), run through the chunked gated delta rule (:mod:`memzoo.ops.gated_delta_rule`;
 fla's kernel on CUDA) starting from that memory's state, and the outputs are scattered back
 and mixed with the router weights. All memories of all sequences are one batched op call
-(sequences right-padded with k = v = β = γ = 0 tokens, which leave a state exactly unchanged).
+(sequences right-padded with k = v = β = γ = 0 tokens, which leave a state exactly unchanged;
+padded slots are zeroed with ``where``, not by multiplying with 0, so that a NaN/inf token never
+reaches a memory it was not routed to, nor, through 0 × NaN, earlier outputs).
 
 Load balancing (Sec. 4.2.8, "with and without aux loss"): the Switch-Transformer loss
 (Fedus et al. 2022, Eq. 4-6) in the top-k form of the reference code, computed over the
@@ -174,6 +176,10 @@ class MoM(MemoryLayer):
             raise ValueError(f"head_dim={head_dim} and head_dim * expand_v={v_dim} must be positive integers")
         if conv_size < 0:
             raise ValueError(f"conv_size must be >= 0 (0 = no short convolution), got {conv_size}")
+        if not aux_loss_weight >= 0:
+            raise ValueError(f"aux_loss_weight must be >= 0, got {aux_loss_weight}")
+        if not norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {norm_eps}")
         self.num_memories, self.topk, self.shared_memory = num_memories, topk, bool(shared_memory)
         self.num_heads, self.head_dim, self.head_v_dim = num_heads, head_dim, int(v_dim)
         self.expand_v, self.conv_size = expand_v, conv_size
@@ -331,9 +337,11 @@ class MoM(MemoryLayer):
         kp, vp, b, a = proj.split([self.key_dim, self.value_dim, H, H], dim=-1)
         ck, cv = state.get("conv_k"), state.get("conv_v")
         k, v = self._kv(kp, vp, ck, cv)
-        vm = valid[..., None].to(dt)  # padding: k = v = β = log α = 0 leaves a state unchanged
-        k, v = k * vm[..., None], v * vm[..., None]
-        beta, g = torch.sigmoid(b) * vm, self._decay(a) * vm
+        # padding: k = v = β = log α = 0 leaves a state unchanged (selected with where: padded
+        # slots hold other positions' tokens, and 0 × NaN = NaN; see the module docstring)
+        vm = valid[..., None]
+        k, v = k.where(vm[..., None], 0), v.where(vm[..., None], 0)
+        beta, g = torch.sigmoid(b).where(vm, 0), self._decay(a).where(vm, 0)
         if c > 1:  # new conv history: the last c-1 pre-conv projections of each memory's tokens
             hidx = (counts[..., None] + torch.arange(c - 1, device=x.device))[..., None]  # [B, M, c-1, 1]
             new["conv_k"] = torch.cat([ck, kp], dim=2).gather(2, hidx.expand(-1, -1, -1, self.key_dim))
@@ -348,8 +356,8 @@ class MoM(MemoryLayer):
         out = None
         if with_output:  # scatter back to time order and mix with the router weights (Eq. 8-9)
             o = o.unflatten(0, (B, M)).to(dt)  # [B, M, L, H, V]
-            wg = weights.transpose(1, 2).gather(2, pos) * valid  # [B, M, L]
-            o = o * wg[..., None, None]
+            wg = weights.transpose(1, 2).gather(2, pos)  # [B, M, L]
+            o = (o * wg[..., None, None]).where(valid[..., None, None], 0)  # padded slots add nothing
             out = torch.zeros(B, T, H, self.head_v_dim, dtype=dt, device=x.device)
             out = out.index_put((bidx.expand(-1, M, L), pos), o, accumulate=True)
 

@@ -160,6 +160,8 @@ class PKM(MemoryLayer):
             raise ValueError(f"unknown query_norm {query_norm!r}; choose one of {list(QUERY_NORMS)}")
         if value_lr_scale < 0:
             raise ValueError(f"value_lr_scale must be >= 0, got {value_lr_scale}")
+        if not norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {norm_eps}")
         self.key_dim, self.value_dim, self.heads = key_dim, value_dim, heads
         self.topk, self.n_subkeys = topk, n_subkeys
         self.n_slots = n_subkeys**2

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from memzoo.ops.linear_attention import causal_matmul
+
 __all__ = ["gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_recurrent"]
 
 
@@ -120,6 +122,8 @@ def gated_delta_rule_chunked(
 
     Everything inside a chunk is batched matmuls over all chunks at once; only
     the [K, V] state is carried across chunks by a Python loop of length T / C.
+    Causal masks select (``masked_fill``, ``tril``, :func:`causal_matmul`) rather than
+    multiply by 0, so a NaN/inf at position t leaves every output before t finite.
     """
     _check_shapes(q, k, v, g, beta, initial_state)
     if chunk_size < 1:
@@ -172,7 +176,7 @@ def gated_delta_rule_chunked(
     U0, W = sol[..., :V], sol[..., V:]                              # [B,H,N,C,V], [B,H,N,C,K]
 
     # Output of a chunk: o_r = scale (gamma_r q_r^T h + sum_{j<=r} exp(G_r - G_j) (q_r.k_j) u_j)
-    P = (q @ k.transpose(-1, -2)) * D                               # causal intra-chunk scores
+    P = (q @ k.transpose(-1, -2)) * D                               # scores; causal_matmul keeps j <= r
     q_dec = q * G.exp()[..., None]                                  # gamma_r q_r
     # State at the chunk end: h_C = gamma_C h + sum_j exp(G_C - G_j) k_j u_j^T
     k_dec = k * (G[..., -1:] - G).exp()[..., None]                  # exp(G_C - G_j) k_j
@@ -191,7 +195,7 @@ def gated_delta_rule_chunked(
     U = torch.stack(us, dim=2)                                      # [B, H, N, C, V]
 
     # ---- outputs, all chunks at once ------------------------------------------------
-    o = scale * (q_dec @ Hs + P @ U)                                # [B, H, N, C, V]
+    o = scale * (q_dec @ Hs + causal_matmul(P, U))                  # [B, H, N, C, V]
     o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
     return o.to(out_dtype), (h if output_final_state else None)
 

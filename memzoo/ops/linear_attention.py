@@ -28,8 +28,9 @@ Three entry points, all returning new tensors (never in place), differentiable:
       o_t = exp(b_t) q_tᵀ S_0  +  Σ_{s≤t} exp(b_t − b_s) (q_t·k_s) v_s          (inter + intra chunk)
       S_C = exp(b_C) S_0       +  Σ_{s≤C} exp(b_C − b_s) k_s v_sᵀ               (state carried on)
 
-  intra-chunk terms are a masked ``q kᵀ`` matrix times a decay matrix; the state is carried
-  across chunks by a short loop over ``T / chunk_size`` chunks.
+  intra-chunk terms are a masked ``q kᵀ`` matrix times a decay matrix, applied to the values
+  by :func:`causal_matmul`; the state is carried across chunks by a short loop over
+  ``T / chunk_size`` chunks.
 - :func:`linear_attention_final_state` — only ``S_T`` (what a pure ``write`` needs), one einsum.
 
 A normalised read (Katharopoulos et al. 2020, ``o_t = q_tᵀS_t / q_tᵀz_t`` with
@@ -46,6 +47,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "causal_matmul",
     "linear_attention_recurrent",
     "linear_attention_chunked",
     "linear_attention_final_state",
@@ -76,6 +78,23 @@ def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
         if t is not None:
             dt = torch.promote_types(dt, t.dtype)
     return dt
+
+
+def causal_matmul(scores: Tensor, values: Tensor, diagonal: int = 0) -> Tensor:
+    """``tril(scores, diagonal) @ values`` over the last two dims (row t sums the values of
+    rows s ≤ t + diagonal, diagonal ≤ 0), causal under non-finite input.
+
+    A matmul with a 0/1-masked score matrix multiplies every *later* value by its masked score
+    0, and 0 × NaN = NaN reaches all earlier rows. Here ``tril`` selects the scores (whatever
+    lies above the diagonal is dropped), the matmul sees the values with non-finite entries
+    zeroed, and a cumulative sum carries those entries to the rows allowed to see them. With
+    finite values the carry is 0 and the result is the masked matmul exactly.
+    """
+    ok = values.isfinite()
+    carry = values.where(~ok, 0).cumsum(-2)
+    if diagonal:
+        carry = torch.nn.functional.pad(carry, (0, 0, -diagonal, 0))[..., : values.shape[-2], :]
+    return scores.tril(diagonal) @ values.where(ok, 0) + carry
 
 
 def linear_attention_recurrent(
@@ -150,7 +169,10 @@ def linear_attention_chunked(
         S_C = exp(b_C) S_0      + Σ_s exp(b_C − b_s) k_s v_sᵀ
 
     T need not be a multiple of ``chunk_size``: the tail is padded with k = v = 0 and
-    λ = 1, which leaves the state unchanged. Returns ``(o [B, T, H, V], final_state [B, H, K, V])``.
+    λ = 1, which leaves the state unchanged. The causal mask is applied by selection
+    (``masked_fill`` on the decays, :func:`causal_matmul` on scores and values), never by
+    multiplying with 0, so a NaN/inf at position t leaves every output before t finite.
+    Returns ``(o [B, T, H, V], final_state [B, H, K, V])``.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -171,22 +193,21 @@ def linear_attention_chunked(
         return x.reshape(B, N, C, H, *x.shape[3:]).transpose(1, 3).transpose(2, 3)
 
     qc, kc, vc = prep(q), prep(k), prep(v)  # [B, H, N, C, K|V]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    attn = qc @ kc.transpose(-1, -2)  # [B, H, N, C, C]
+    attn = qc @ kc.transpose(-1, -2)  # [B, H, N, C, C]; causal_matmul keeps its lower triangle
     if log_decay is not None:
         ld = log_decay.to(dt)
         if pad:
             ld = torch.nn.functional.pad(ld, (0, 0, 0, pad))  # λ = 1 on padding
         b = ld.reshape(B, N, C, H).permute(0, 3, 1, 2).cumsum(dim=-1)  # [B, H, N, C]
-        diff = b[..., :, None] - b[..., None, :]  # b_t - b_s
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        diff = b[..., :, None] - b[..., None, :]  # b_t - b_s, masked before exp so it never overflows
         attn = attn * diff.masked_fill(~causal, float("-inf")).exp()
         q_in = qc * b[..., None].exp()  # exp(b_t) q_t: reads the chunk's initial state
         k_out = kc * (b[..., -1:] - b)[..., None].exp()  # exp(b_C - b_s) k_s: writes the state
         chunk_decay = b[..., -1].exp()  # exp(b_C) [B, H, N]
     else:
-        attn = attn.masked_fill(~causal, 0.0)
         q_in, k_out, chunk_decay = qc, kc, None
-    o_intra = attn @ vc  # [B, H, N, C, V]
+    o_intra = causal_matmul(attn, vc)  # [B, H, N, C, V]
     kv = k_out.transpose(-1, -2) @ vc  # per-chunk write Σ_s exp(b_C - b_s) k_s v_sᵀ: [B, H, N, K, V]
 
     o_inter = []
