@@ -2,9 +2,9 @@
 
 A *preset* (``zoo_configs/bench/<name>.yaml``) fixes everything a comparison depends on:
 
-    backbone:  ModelConfig fields of the plain backbone every layer is plugged into
+    model:     ModelConfig fields of the plain backbone every layer is plugged into
     layers:    per memory layer, where it goes (``at``: "1,3", "all", "last") and its options
-    lm:        TrainConfig fields of the language model that the ppl and niah suites train
+    train:     TrainConfig fields of the language model that the ppl and niah suites train
     toys / ppl / niah / cost:   each suite's settings (checked by that suite's Settings class)
 
 Each layer is compared on the same backbone, data and budget: ``model_config(preset, layer)``
@@ -28,18 +28,20 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from memzoo.backbone.layout import parse_layout
+from memzoo.bench.suites import NAMES as SUITES  # the preset sections of the suites
 from memzoo.config import (
-    ConfigError, ModelConfig, TrainConfig, check_layer_options, config_dir, parse_strict, read_yaml,
+    ConfigError, ModelConfig, TrainConfig, check_layer_options, config_dir, parse_strict, read_config,
 )
 
 BASELINE = "baseline"  # the backbone with no memory layer
-SUITES = ("toys", "ppl", "niah", "cost")
+_RENAMED = {"backbone": "model", "lm": "train"}  # preset sections before presets and run configs shared them
 RESULTS = "results.jsonl"
 
 
@@ -50,16 +52,16 @@ RESULTS = "results.jsonl"
 class LayerSpec:
     """Where a memory layer goes in the backbone and the options it is built with."""
 
-    at: str | None = None  # "1,3" | "all" | "last"; None = the layer's default_where
+    at: str | None = None  # "1,3" | "all" | "last"; None = the layer's default_where, else "last"
     options: dict = field(default_factory=dict)
 
 
 @dataclass
 class Preset:
     name: str
-    backbone: dict
+    backbone: dict  # the preset's `model:` section
     layers: dict[str, LayerSpec]
-    lm: dict
+    lm: dict  # the preset's `train:` section
     suites: dict[str, dict]
     source: str = ""
 
@@ -69,7 +71,7 @@ class Preset:
 
 
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in (config_dir() / "bench").glob("*.yaml"))
+    return sorted(p.stem for p in (config_dir() / "bench").glob("*.yaml") if not p.name.startswith("_"))
 
 
 def load_preset(name: str) -> Preset:
@@ -79,10 +81,10 @@ def load_preset(name: str) -> Preset:
         path = config_dir() / "bench" / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"no bench preset {name!r}; shipped presets: {', '.join(preset_names())}, or give a YAML path")
-    data = read_yaml(path, ("backbone", "layers", "lm", *SUITES))
+    data, bases = read_config(path, ("model", "layers", "train", *SUITES), renamed=_RENAMED)
     try:  # check the backbone, the layers and the LM now, not at the first model
-        backbone = ModelConfig.from_dict(data.get("backbone"), "backbone")
-        TrainConfig.from_dict(data.get("lm"), "lm")
+        backbone = ModelConfig.from_dict(data.get("model"), "model")
+        TrainConfig.from_dict(data.get("train"), "train")
         if not isinstance(data.get("layers") or {}, dict):
             raise ConfigError(f"layers: expected a mapping, got {type(data['layers']).__name__}")
         layers = {}
@@ -95,12 +97,13 @@ def load_preset(name: str) -> Preset:
                 raise ConfigError(f"layers.{k}.at: {' '.join(str(e).split())}") from None
             layers[k] = spec
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        on = f" (with base {', '.join(map(str, bases))})" if bases else ""
+        raise ConfigError(f"{path}{on}: {e}") from None
     return Preset(
         name=path.stem,
-        backbone=dict(data.get("backbone") or {}),
+        backbone=dict(data.get("model") or {}),
         layers=layers,
-        lm=dict(data.get("lm") or {}),
+        lm=dict(data.get("train") or {}),
         suites={s: dict(data.get(s) or {}) for s in SUITES},
         source=str(path),
     )
@@ -129,8 +132,13 @@ def model_config(preset: Preset, layer: str, **backbone_overrides) -> ModelConfi
     base = {**preset.backbone, **backbone_overrides}
     if layer == BASELINE:
         return ModelConfig.from_dict(base)
+    from memzoo.registry import get_layer
+
     spec = preset.layers.get(layer, LayerSpec())
-    item = layer if spec.at is None else f"{layer}@{spec.at}"
+    at = spec.at
+    if at is None and getattr(get_layer(layer), "default_where", None) is None:
+        at = "last"  # a layer the preset does not list (a plugin's) and that names no place
+    item = layer if at is None else f"{layer}@{at}"
     return ModelConfig.from_dict({**base, "layout": f"{base.get('layout', 'GDN')} | {item}", "memory": {layer: dict(spec.options)}})
 
 
@@ -275,7 +283,8 @@ def read_results(path: str | Path) -> list[dict]:
 @dataclass
 class Context:
     """What a suite's `run(ctx, layers)` gets: the preset, the seed, where to record, where
-    to cache trained models, the device and whether to show progress bars."""
+    to cache trained models, the device, whether to print what it measures, and where to
+    report its progress (`advance`, one call per unit of work its `work(ctx, layer)` counts)."""
 
     preset: Preset
     seed: int
@@ -283,9 +292,15 @@ class Context:
     work_dir: Path  # trained models and other caches of this preset live here
     device: str = "cpu"
     progress: bool = True
+    on_work: Callable[[int, str], None] | None = None  # (units done, what runs now): the bench's progress bar
 
     def record(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float) -> dict:
         return self.recorder.add(suite, layer, setting, metrics, config, wall_s)
+
+    def advance(self, units: int, doing: str) -> None:
+        """`units` units of work are done; `doing` says what runs now."""
+        if self.on_work is not None:
+            self.on_work(units, doing)
 
 
 # ---- rendering helpers shared by the suites' tables and figures -------------------------------

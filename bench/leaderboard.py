@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 
 from memzoo.bench.common import RESULTS, read_results
+from memzoo.bench.suites import NAMES, suite
 from memzoo.storage import write_text
 
-SECTIONS = ("toys", "ppl", "niah", "cost")
 _DROP = ("config", "versions", "hardware")  # provenance kept in results.jsonl, not in the tables
 
 
@@ -34,14 +34,12 @@ def frame(rows: list[dict]):
 
 
 def _groups(rows: list[dict]):
-    """(suite, preset, module, DataFrame) for every suite and preset present, in order."""
-    from memzoo.bench.run import suite_module
-
+    """(suite, preset, module, DataFrame) for every suite and preset present, in the suites' order."""
     rows = latest(rows)
-    for suite in SECTIONS:
-        for preset in sorted({r["preset"] for r in rows if r["suite"] == suite}):
-            sub = [r for r in rows if r["suite"] == suite and r["preset"] == preset]
-            yield suite, preset, suite_module(suite), frame(sub)
+    for name in NAMES:
+        for preset in sorted({r["preset"] for r in rows if r["suite"] == name}):
+            sub = [r for r in rows if r["suite"] == name and r["preset"] == preset]
+            yield name, preset, suite(name), frame(sub)
 
 
 def markdown(table) -> str:
@@ -53,9 +51,9 @@ def markdown(table) -> str:
 
 def suite_tables(rows: list[dict]):
     """(suite, preset, title, table) for every table the rows make."""
-    for suite, preset, mod, df in _groups(rows):
+    for name, preset, mod, df in _groups(rows):
         for title, table in mod.tables(df).items():
-            yield suite, preset, title, table
+            yield name, preset, title, table
 
 
 def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Path | None = None) -> list[Path]:
@@ -77,8 +75,8 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
         "row is shown.",
         "",
     ]
-    for suite, preset, mod, df in _groups(rows):
-        lines += [f"## {suite} — preset `{preset}`", ""]
+    for name, preset, mod, df in _groups(rows):
+        lines += [f"## {name} — preset `{preset}`", ""]
         doc = (mod.__doc__ or "").strip().split("\n\n")[0]
         lines += [doc, ""]
         for title, table in mod.tables(df).items():

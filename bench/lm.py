@@ -34,7 +34,7 @@ _loaded: dict[str, tuple[HybridLM, dict]] = {}
 
 def lm_config(ctx: Context, layer: str) -> tuple[RunConfig, float, str]:
     """The run config of `layer`'s LM, its needle fraction, and the cache key."""
-    from memzoo.bench import niah
+    from memzoo.bench.suites import niah
 
     mix = ctx.preset.settings(niah.NAME, niah.Settings).train_mix
     tc = lm_train_config(ctx.preset, seed=ctx.seed, device=ctx.device)
@@ -44,30 +44,18 @@ def lm_config(ctx: Context, layer: str) -> tuple[RunConfig, float, str]:
     return rc, mix, key
 
 
-def lm_data(rc: RunConfig, mix: float):
-    """(training stream, validation batches, unigram entropy) for `train(rc, data=...)`."""
-    from memzoo.data import LMStream, get_tokenizer, load_corpus, split_documents, tokenize_corpus, unigram_entropy
-    from memzoo.data.niah import NeedleMix
-
-    tc = rc.train
-    tok = get_tokenizer(tc.tokenizer)
-    splits = split_documents(load_corpus(tc.corpus), seed=tc.seed)
-    train_ds = splits["train"].filter(lambda r: r["title"] not in HELD_OUT_TITLES)
-    train_docs = tokenize_corpus(train_ds, tok)
-    stream = LMStream(train_docs, tc.seq_len, seed=tc.seed)
-    if mix > 0:
-        stream = NeedleMix(stream, list(train_ds["text"]), tok, tc.seq_len, mix=mix, seed=tc.seed)
-    val_docs = tokenize_corpus(splits["validation"], tok)
-    val = LMStream(val_docs, tc.seq_len, seed=10_000 + tc.seed)
-    val_batches = [val.batch(i, tc.batch_size) for i in range(tc.eval_batches)]
-    return stream, val_batches, unigram_entropy(torch.cat(val_docs), tok.vocab_size)
+def untrained_steps(ctx: Context, layer: str) -> int:
+    """The training steps `shared_lm` will run for `layer`: none where its LM is cached."""
+    rc, _, _ = lm_config(ctx, layer)
+    done = str(rc.train.out_dir) in _loaded or (Path(rc.train.out_dir) / "lm.json").exists()
+    return 0 if done else rc.train.steps
 
 
 def shared_lm(ctx: Context, layer: str) -> tuple[HybridLM, dict]:
     """`layer`'s trained LM (eval mode) and what its training did (losses, steps, wall time).
     Persistent fast weights (FwPKM's) are those at the end of training; callers that change
     them restore a snapshot."""
-    from memzoo.train import train
+    from memzoo.train import prepare_data, train
 
     rc, mix, _ = lm_config(ctx, layer)
     out = Path(rc.train.out_dir)
@@ -80,7 +68,9 @@ def shared_lm(ctx: Context, layer: str) -> tuple[HybridLM, dict]:
         model.load_state_dict(load_tensors(out / "model.pt", map_location=ctx.device))
     else:
         t0 = time.time()
-        result = train(rc, data=lm_data(rc, mix), progress=ctx.progress, overwrite=True)
+        data = prepare_data(rc, leave_out=HELD_OUT_TITLES, needle_mix=mix)
+        doing = lambda r: f"lm {layer} step {r['step']}/{rc.train.steps} loss {r['loss']:.3f}"  # noqa: E731
+        result = train(rc, data=data, progress=False, overwrite=True, on_step=lambda r: ctx.advance(1, doing(r)))
         model = result["model"]
         info = {
             "train_loss": result["train_loss"],

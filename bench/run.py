@@ -13,34 +13,30 @@ each with one thread): tiny models keep one core busy but gain little from a sec
 single-thread workers finish the default comparison in about half the time of one process
 with two threads. Every number a worker measures is independent of the others (same seeds,
 same data), only wall times and throughput see the neighbour.
+
+Progress is one bar over all workers, in units of work known before the first starts: training
+steps (the toys' and the shared LMs'), evaluated cells (ppl's corpus and mode, NIAH's samples)
+and measured models (cost); with an ETA and, after it, what each worker is doing.
 """
 
 from __future__ import annotations
 
-import importlib
 import time
 from pathlib import Path
 
-from memzoo.bench.common import BASELINE, SUITES, Context, Recorder, check_layers, load_preset
+from memzoo.bench.common import BASELINE, Context, Recorder, check_layers, load_preset
+from memzoo.bench.suites import NAMES, suite
 from memzoo.config import ConfigError
-
-ORDER = ("cost", "toys", "ppl", "niah")  # cheapest first; ppl and niah share the trained LMs
-# relative CPU cost of a layer's suites (measured on the tiny preset), to share layers out evenly
-COST = {"baseline": 1.0, "linear": 1.1, "pkm": 1.3, "ba": 1.5, "fwmlp": 1.4, "fwl": 1.6, "fwpkm": 1.6, "lact": 1.6, "mom": 2.0}
-
-
-def suite_module(name: str):
-    return importlib.import_module(f"memzoo.bench.{name}")
 
 
 def parse_suites(spec: str | None) -> list[str]:
     if not spec or spec == "all":
-        return list(ORDER)
+        return list(NAMES)
     names = [s.strip().lower() for s in spec.split(",") if s.strip()]
-    bad = [s for s in names if s not in SUITES]
+    bad = [s for s in names if s not in NAMES]
     if bad:
-        raise ConfigError(f"unknown suite(s) {', '.join(map(repr, bad))}; valid suites: {', '.join(ORDER)} (or all)")
-    return [s for s in ORDER if s in names]
+        raise ConfigError(f"unknown suite(s) {', '.join(map(repr, bad))}; valid suites: {', '.join(NAMES)} (or all)")
+    return [s for s in NAMES if s in names]
 
 
 def parse_layers(spec: str | None) -> list[str]:
@@ -52,34 +48,55 @@ def parse_layers(spec: str | None) -> list[str]:
     return [BASELINE, *check_layers(names)]
 
 
+def bench_cost(layer: str) -> float:
+    """The relative CPU cost of a layer's suites (the baseline's is 1): its class's `bench_cost`
+    (measured on the tiny preset), 1.5 for a layer that does not say."""
+    from memzoo.registry import get_layer
+
+    return 1.0 if layer == BASELINE else getattr(get_layer(layer), "bench_cost", 1.5)
+
+
 def share_out(layers: list[str], jobs: int) -> list[list[str]]:
     """Layers in `jobs` groups of about equal cost (longest first onto the lightest group)."""
     groups: list[list[str]] = [[] for _ in range(jobs)]
     load = [0.0] * jobs
-    for layer in sorted(layers, key=lambda n: -COST.get(n, 1.5)):
+    for layer in sorted(layers, key=lambda n: -bench_cost(n)):
         i = load.index(min(load))
         groups[i].append(layer)
-        load[i] += COST.get(layer, 1.5)
+        load[i] += bench_cost(layer)
     return [g for g in groups if g]
 
 
-def _work(ctx: Context, layers: list[str], todo: list[str], done=None) -> None:
+def work_units(ctx: Context, layers: list[str], todo: list[str]) -> int:
+    """The units of work of `todo` on `layers`: every suite's `work`, plus the training steps of
+    each layer's shared LM where a suite evaluates it and it is not cached yet."""
+    from memzoo.bench.lm import untrained_steps
+
+    mods = [suite(s) for s in todo]
+    lm = any(getattr(m, "USES_LM", False) for m in mods)
+    return sum(sum(m.work(ctx, layer) for m in mods) + (untrained_steps(ctx, layer) if lm else 0) for layer in layers)
+
+
+def _work(ctx: Context, layers: list[str], todo: list[str]) -> None:
     """Layer by layer (each layer's LM is trained once, then used by ppl and niah), suite by suite."""
     for layer in layers:
         for s in todo:
-            suite_module(s).run(ctx, [layer])
-            if done is not None:
-                done.put((layer, s))
+            suite(s).run(ctx, [layer])
 
 
-def _worker(args: dict, layers: list[str], todo: list[str], threads: int, done) -> None:
+def _worker(args: dict, wid: int, layers: list[str], todo: list[str], threads: int, queue) -> None:
+    """A worker process: runs its layers and reports ("work", wid, units, doing) for each unit
+    of work, then ("end", wid, 0, "")."""
     import torch
 
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
     p = load_preset(args["preset"])
     rec = Recorder(args["out"], p.name, args["seed"], run_id=args["run_id"])
-    _work(Context(p, args["seed"], rec, Path(args["work_dir"]), args["device"], progress=False), layers, todo, done)
+    ctx = Context(p, args["seed"], rec, Path(args["work_dir"]), args["device"], progress=False,
+                  on_work=lambda units, doing: queue.put(("work", wid, units, doing)))
+    _work(ctx, layers, todo)
+    queue.put(("end", wid, 0, ""))
 
 
 def run_bench(
@@ -98,6 +115,7 @@ def run_bench(
     negative `jobs`, an unavailable device, an unwritable `out` or `work_dir`) fail at once."""
     import multiprocessing as mp
     import os
+    import queue as queue_mod
 
     import torch
     from tqdm.auto import tqdm
@@ -112,45 +130,60 @@ def run_bench(
     torch.set_flush_denormal(True)  # GDN's strong decays make subnormals, ~10x slower on CPU
     names, todo, p = parse_layers(layers), parse_suites(suites), load_preset(preset)
     for s in todo:  # check every suite's settings before spending minutes on the first
-        mod = suite_module(s)
+        mod = suite(s)
         p.settings(mod.NAME, mod.Settings)
     cores = os.cpu_count() or 1
     jobs = jobs or (1 if device != "cpu" else cores)
     groups = share_out(names, max(1, min(jobs, len(names))))
     rec = Recorder(ensure_writable_dir(out), p.name, seed)
     work_dir = ensure_writable_dir(work_dir or Path("runs") / "bench" / p.name)
+    ctx = Context(p, seed, rec, work_dir, device, progress)
+    total = work_units(ctx, names, todo)
     print(f"memzoo bench: preset {p.name}, seed {seed}, layers {', '.join(names)}, suites {', '.join(todo)}"
-          + (f", {len(groups)} workers: " + " | ".join(",".join(g) for g in groups) if len(groups) > 1 else ""))
+          + (f", {len(groups)} workers: " + " | ".join(",".join(g) for g in groups) if len(groups) > 1 else "")
+          + f"; {total} units of work (training steps, evaluated cells, measured models)")
     t0 = time.time()
+    bar = tqdm(total=total, desc="bench", unit="unit", smoothing=0, dynamic_ncols=True, disable=not progress)
+    doing = [""] * len(groups)
+
+    def show(wid: int, units: int, what: str) -> None:
+        doing[wid] = what
+        bar.set_postfix_str(" | ".join(f"{i + 1}: {d}" if len(groups) > 1 else d for i, d in enumerate(doing)),
+                            refresh=False)
+        bar.update(units)
+
     if len(groups) == 1:
-        _work(Context(p, seed, rec, work_dir, device, progress), names, todo)
+        ctx.on_work = lambda units, what: show(0, units, what)
+        _work(ctx, names, todo)
     else:
-        ctx = mp.get_context("spawn")
-        done = ctx.Queue()
+        mpc = mp.get_context("spawn")
+        queue = mpc.Queue()
         args = {"preset": p.source, "seed": seed, "out": str(out), "work_dir": str(work_dir), "device": device,
                 "run_id": rec.run_id}
         threads = max(1, cores // len(groups))
-        procs = [ctx.Process(target=_worker, args=(args, g, todo, threads, done)) for g in groups]
+        procs = [mpc.Process(target=_worker, args=(args, i, g, todo, threads, queue)) for i, g in enumerate(groups)]
         for proc in procs:
             proc.start()
-        bar = tqdm(total=len(names) * len(todo), desc="bench (layer, suite)", disable=not progress)
-        finished = 0
-        while finished < len(names) * len(todo):
+        ended = 0
+        while ended < len(procs):
             try:
-                layer, s = done.get(timeout=5)
-            except Exception:  # queue.Empty: check that no worker died
+                kind, wid, units, what = queue.get(timeout=5)
+            except queue_mod.Empty:  # check that no worker died
                 if any(proc.exitcode not in (None, 0) for proc in procs):
                     for proc in procs:
                         proc.kill()
+                    bar.close()
                     raise RuntimeError("a bench worker failed (its traceback is above); rows measured so far are kept")
                 continue
-            finished += 1
-            bar.set_postfix_str(f"{layer} {s} done, {time.time() - t0:.0f} s")
-            bar.update(1)
-        bar.close()
+            if kind == "end":
+                ended += 1
+                show(wid, 0, "done")
+            else:
+                show(wid, units, what)
         for proc in procs:
             proc.join()
         rec.rows = [r for r in read_results(rec.path) if r["run_id"] == rec.run_id]
+    bar.close()
     print(f"\nmemzoo bench: {len(rec.rows)} rows in {time.time() - t0:.0f} s -> {rec.path}\n")
     print_tables(rec.rows)
     return rec.rows
@@ -159,7 +192,7 @@ def run_bench(
 def print_tables(rows: list[dict]) -> None:
     from memzoo.bench.leaderboard import markdown, suite_tables
 
-    for suite, preset, title, table in suite_tables(rows):
-        print(f"### {suite} ({preset}): {title}\n")
+    for name, preset, title, table in suite_tables(rows):
+        print(f"### {name} ({preset}): {title}\n")
         print(markdown(table))
         print()

@@ -14,14 +14,14 @@ from pathlib import Path
 
 
 def _expand(names: list[str]) -> list[str]:
-    """Config names, files, or directories (every *.yaml inside, sorted)."""
+    """Config names, files, or directories (every *.yaml inside, sorted, but _*.yaml: bases)."""
     from memzoo.config import config_dir
 
     out = []
     for n in names:
         for d in (Path(n), config_dir() / n):
             if d.is_dir():
-                out += sorted(str(p) for p in d.glob("*.yaml"))
+                out += sorted(str(p) for p in d.glob("*.yaml") if not p.name.startswith("_"))
                 break
         else:
             out.append(n)
@@ -93,7 +93,7 @@ def cmd_leaderboard(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from memzoo.inspect import inspect_text
+    from memzoo.inspection import inspect_text
 
     text = Path(args.file).read_text() if args.file else args.text
     if not text:
@@ -103,7 +103,12 @@ def cmd_inspect(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from memzoo.bench.suites import NAMES as SUITE_NAMES
+
     p = argparse.ArgumentParser(prog="memzoo", description="A zoo of fast-weight memory layers: train, count, bench.")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first, so the layers it registers (@memzoo.register_layer) are usable by name; "
+                        "repeatable; added to $MEMZOO_PLUGINS (comma-separated), which bench workers inherit")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     t = sub.add_parser("train", help="train a model from a config (YAML path or shipped name, e.g. tiny/gdn)")
@@ -123,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="compare memory layers (and the plain backbone) on one backbone, data and budget")
     b.add_argument("--layers", default="", help="comma-separated layer names, or 'all'; the baseline is always included")
-    b.add_argument("--suite", default="all", help="comma-separated: toys, ppl, niah, cost (default: all)")
+    b.add_argument("--suite", default="all", help="comma-separated, of: " + ", ".join(SUITE_NAMES) + " (default: all)")
     b.add_argument("--preset", default="tiny", help="tiny (CPU minutes), paper, or a preset YAML file")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="leaderboards", help="rows are appended to OUT/results.jsonl")
@@ -147,11 +152,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args = p.parse_args(argv)
     try:
+        from memzoo.registry import add_plugin, load_plugins
+
+        for mod in args.plugin:
+            add_plugin(mod)
+        load_plugins()  # those named in MEMZOO_PLUGINS too: a bad name is an error before the verb runs
         return args.fn(args)
     except Exception as e:
+        from memzoo.registry import PluginError
         from memzoo.train import Diverged  # already imported where training raised it
 
-        if not isinstance(e, (ValueError, KeyError, OSError, Diverged)) or "MEMZOO_DEBUG" in os.environ:
+        if not isinstance(e, (ValueError, KeyError, OSError, Diverged, PluginError)) or "MEMZOO_DEBUG" in os.environ:
             raise
         print(f"memzoo {args.cmd}: error: {e}", file=sys.stderr)
         return 2

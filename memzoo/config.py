@@ -1,13 +1,20 @@
 """Configs: strict dataclasses (unknown keys are errors, with a suggestion) and their YAML form.
 
-A YAML file has up to three sections:
+A YAML file has up to three sections, and optionally a base:
 
+    base:    another file, e.g. `_base` (`_base.yaml` beside this one), whose sections this
+             file's extend: a key here replaces the base's; a mapping (`model.memory`, one
+             layer's options) is merged key by key. A base may have a base; cycles are errors.
     model:   ModelConfig fields (layout, sizes, per-memory-layer options under `memory:`)
     train:   TrainConfig fields (data, optimiser, schedule, checkpoints)
     paper:   the published figures a paper config reproduces (e.g. params_m), for comparison
 
+Bench presets (`zoo_configs/bench/*.yaml`) use the same `model:` and `train:` sections (and
+`base:`), plus their own (see memzoo.bench.common).
+
 `zoo_configs/paper/*.yaml` are the paper's Table 2 rows; `zoo_configs/tiny/*.yaml` are CPU
-presets. A config name without a path (e.g. "paper/gdn") is looked up among them.
+presets; each states what differs from its directory's `_base.yaml`. A config name without a
+path (e.g. "paper/gdn") is looked up among them; files named `_*.yaml` are bases, not listed.
 
 Every field is checked when a config is loaded: its type (an int is not 1.5, "768" or true; a
 number may be written 1e-3, which YAML 1.1 reads as a string), its range, the layout, and each
@@ -176,8 +183,13 @@ class ModelConfig:
             parse_layout(self.layout, self.n_layers)
         except ValueError as e:
             raise ConfigError(f"{where}.layout: {_one_line(e)}") from None
-        self.memory = {check_layer_options(name, opts, self.d_model, f"{where}.memory.{name}"): opts
-                       for name, opts in self.memory.items()}
+        memory = {}
+        for name, opts in self.memory.items():
+            key = check_layer_options(name, opts, self.d_model, f"{where}.memory.{name}")
+            if key in memory:  # e.g. `fwpkm` in a base and `FwPKM` in the file: say so, do not drop one
+                raise ConfigError(f"{where}.memory names layer {key!r} twice (as {name!r} too)")
+            memory[key] = opts
+        self.memory = memory
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -216,6 +228,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     threads: int = 0  # torch CPU threads; 0 = torch's default
+    precision: str = "auto"  # fp32, bf16 (autocast), or auto: bf16 on CUDA, fp32 on CPU
+    compile: bool = False  # torch.compile the model's forward
     out_dir: str = "runs/default"
 
     @classmethod
@@ -230,6 +244,8 @@ class TrainConfig:
         from memzoo.data.corpora import corpus_names
 
         _check_fields(self, where, _TRAIN_RANGES)
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"{where}.precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
         if self.min_lr > self.lr:
             raise ConfigError(f"{where}.min_lr must be <= {where}.lr ({self.lr}), got {self.min_lr}")
         if self.corpus not in corpus_names():
@@ -288,13 +304,15 @@ def resolve_config_path(name: str | Path) -> Path:
     for cand in (config_dir() / f"{name}.yaml", config_dir() / str(name)):
         if cand.is_file():
             return cand
-    known = sorted(str(q.relative_to(config_dir()).with_suffix("")) for q in config_dir().glob("*/*.yaml"))
+    known = sorted(str(q.relative_to(config_dir()).with_suffix("")) for q in config_dir().glob("*/*.yaml")
+                   if not q.name.startswith("_"))  # _*.yaml: bases, not configs
     raise ConfigError(f"no config {str(name)!r}: not a file, and not one of the shipped configs: {', '.join(known)}")
 
 
-def read_yaml(path: Path, sections: tuple[str, ...]) -> dict:
-    """The mapping in YAML file `path`, whose keys must be among `sections`; a syntax error
-    is one ConfigError line naming the file and line."""
+def read_yaml(path: Path, sections: tuple[str, ...], renamed: dict | None = None) -> dict:
+    """The mapping in YAML file `path`, whose keys must be among `sections` (a key of `renamed`,
+    {old: new}, is an error saying to rename it); a syntax error is one ConfigError line naming
+    the file and line."""
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -306,15 +324,53 @@ def read_yaml(path: Path, sections: tuple[str, ...]) -> dict:
         raise ConfigError(f"{path}: expected a mapping with the sections {', '.join(sections)}, "
                           f"got {type(data).__name__}")
     bad = [k for k in data if k not in sections]
+    if bad and bad[0] in (renamed or {}):
+        others = "".join(f" (and {o!r} is {n!r})" for o, n in renamed.items() if o != bad[0])
+        raise ConfigError(f"{path}: section {bad[0]!r} is now {renamed[bad[0]]!r}{others}: rename it")
     if bad:
         raise ConfigError(f"{path}: unknown section {bad[0]!r}{_did_you_mean(bad[0], list(sections))}; "
                           f"valid sections: {', '.join(sections)}")
     return data
 
 
+def _merge(base: dict, over: dict) -> dict:
+    """`base` with `over`'s keys on top; mappings under the same key merge key by key (an empty
+    value, e.g. a bare `model:`, changes nothing)."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(out.get(k), dict) and (v is None or isinstance(v, dict)):
+            out[k] = _merge(out[k], v or {})
+        else:
+            out[k] = v
+    return out
+
+
+def read_config(path: Path, sections: tuple[str, ...], renamed: dict | None = None,
+                _seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path]]:
+    """The sections of YAML file `path` merged over those of its `base:` (and its base's...),
+    and the base files used, nearest first. A missing base or a cycle is one ConfigError line."""
+    data = read_yaml(path, (*sections, "base"), renamed)
+    if "base" not in data:
+        return data, []
+    name = data.pop("base")
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"{path}: base must be the name of a YAML file beside it (e.g. _base), got {name!r}")
+    base = path.parent / (name if name.endswith(".yaml") else f"{name}.yaml")
+    seen = (*_seen, path.resolve())
+    if base.resolve() in seen:
+        raise ConfigError(f"{path}: base cycle: {' -> '.join(q.name for q in (*seen, base))}")
+    if not base.is_file():
+        raise ConfigError(f"{path}: base {name!r}: no such file {base}")
+    under, bases = read_config(base, sections, renamed, seen)
+    for k, v in under.items():
+        if v is not None and not isinstance(v, dict):
+            raise ConfigError(f"{base}: {k}: expected a mapping, got {type(v).__name__}")
+    return _merge(under, data), [base, *bases]
+
+
 def load_config(name: str | Path) -> RunConfig:
     path = resolve_config_path(name)
-    data = read_yaml(path, ("model", "train", "paper"))
+    data, bases = read_config(path, ("model", "train", "paper"))
     try:
         if not isinstance(data.get("paper") or {}, dict):
             raise ConfigError(f"paper: expected a mapping, got {type(data['paper']).__name__}")
@@ -324,5 +380,6 @@ def load_config(name: str | Path) -> RunConfig:
             str(path),
             dict(data.get("paper") or {}),
         )
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+    except ConfigError as e:  # a key may come from a base: name them
+        on = f" (with base {', '.join(map(str, bases))})" if bases else ""
+        raise ConfigError(f"{path}{on}: {e}") from None

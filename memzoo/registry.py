@@ -9,11 +9,29 @@
     HybridLM.from_layout("GDN | mylayer@2,6")
 
 Names are case-insensitive, so the paper's spelling ("FwPKM", "LaCT") works in layout strings.
+
+Plugins: a layer defined outside memzoo is usable by name everywhere (bench, train configs,
+layouts) once its module is imported. Name the module in the environment variable
+MEMZOO_PLUGINS (comma-separated module names) or with `memzoo --plugin MODULE ...` (which adds
+it there); the registry imports them before its first lookup (`load_plugins`), in every process,
+so the bench's spawned workers, which inherit the environment, see them too. The module must be
+importable: installed, or its folder on PYTHONPATH. For the tests: `pytest -p MODULE` (or
+MEMZOO_PLUGINS) runs the shared property suite on its layers (see tests/conftest.py).
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+
+PLUGINS_ENV = "MEMZOO_PLUGINS"
+
 _LAYERS: dict[str, type] = {}
+_PLUGINS: set[str] = set()  # plugin modules imported (or being imported) by load_plugins
+
+
+class PluginError(ImportError):
+    """A plugin module named in MEMZOO_PLUGINS (or by --plugin) could not be imported."""
 
 
 def register_layer(name: str):
@@ -37,17 +55,50 @@ def register_layer(name: str):
     return deco
 
 
-def _ensure_builtin():
+def plugin_modules() -> list[str]:
+    """The module names in MEMZOO_PLUGINS, in order."""
+    return [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
+
+
+def add_plugin(module: str) -> None:
+    """Add `module` to MEMZOO_PLUGINS (so that child processes load it too) and import it."""
+    mods = plugin_modules()
+    if module not in mods:
+        os.environ[PLUGINS_ENV] = ",".join([*mods, module])
+    load_plugins()
+
+
+def load_plugins() -> None:
+    """Import every module named in MEMZOO_PLUGINS that is not imported yet (its
+    @register_layer classes register themselves); a module that fails is a PluginError naming it."""
+    for mod in plugin_modules():
+        if mod in _PLUGINS:
+            continue
+        _PLUGINS.add(mod)  # first: a plugin that looks up layers while importing does not recurse
+        try:
+            importlib.import_module(mod)
+        except Exception as e:
+            _PLUGINS.discard(mod)
+            if isinstance(e, ModuleNotFoundError) and e.name and (mod + ".").startswith(e.name + "."):
+                why = "no such module (a plugin must be importable: installed, or its folder on PYTHONPATH)"
+            else:
+                why = f"{type(e).__name__}: {' '.join(str(e).split())}"  # one line
+            raise PluginError(f"cannot import memzoo plugin {mod!r} (from --plugin or {PLUGINS_ENV}): {why}") from e
+
+
+def _ensure_loaded():
     import memzoo.layers  # noqa: F401  (registers the built-in layers)
+
+    load_plugins()
 
 
 def layer_names() -> list[str]:
-    _ensure_builtin()
+    _ensure_loaded()
     return sorted(_LAYERS)
 
 
 def get_layer(name: str) -> type:
-    _ensure_builtin()
+    _ensure_loaded()
     try:
         return _LAYERS[name.lower()]
     except KeyError:

@@ -22,6 +22,7 @@ What a run guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -113,7 +114,12 @@ def evaluate(model: HybridLM, batches: list) -> float:
     return sum(losses) / len(losses)
 
 
-def prepare_data(rc: RunConfig):
+def prepare_data(rc: RunConfig, leave_out: tuple[str, ...] = (), needle_mix: float = 0.0):
+    """(training stream, validation batches, unigram entropy of the validation text) of
+    `rc.train`'s corpus: its documents split into training and validation by the seed, tokenized.
+    `leave_out`: titles of training documents to drop (a corpus kept unseen for evaluation);
+    `needle_mix`: the fraction of training windows replaced by needle samples
+    (:class:`memzoo.data.niah.NeedleMix`)."""
     from memzoo.data import LMStream, get_tokenizer, load_corpus, split_documents, tokenize_corpus, unigram_entropy
 
     tc = rc.train
@@ -124,23 +130,84 @@ def prepare_data(rc: RunConfig):
             f"vocabulary ({tok.vocab_size}); set model.vocab_size >= {tok.vocab_size}"
         )
     splits = split_documents(load_corpus(tc.corpus), seed=tc.seed)
-    train_docs = tokenize_corpus(splits["train"], tok)
+    train_ds = splits["train"]
+    if leave_out:
+        train_ds = train_ds.filter(lambda r: r["title"] not in leave_out)
+    train_docs = tokenize_corpus(train_ds, tok)
     val_docs = tokenize_corpus(splits["validation"], tok)
     stream = LMStream(train_docs, tc.seq_len, seed=tc.seed)
+    if needle_mix > 0:
+        from memzoo.data.niah import NeedleMix
+
+        stream = NeedleMix(stream, list(train_ds["text"]), tok, tc.seq_len, mix=needle_mix, seed=tc.seed)
     val_stream = LMStream(val_docs, tc.seq_len, seed=10_000 + tc.seed)
     val_batches = [val_stream.batch(i, tc.batch_size) for i in range(tc.eval_batches)]
     h = unigram_entropy(torch.cat(val_docs), tok.vocab_size)
     return stream, val_batches, h
 
 
+def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A HybridLM's training loss: next-token cross-entropy plus its memories' auxiliary losses."""
+    return model(x, targets=y).loss
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """train.precision "auto": bf16 autocast on CUDA (as the paper trains), fp32 on CPU."""
+    if precision == "auto":
+        return "bf16" if str(device).startswith("cuda") else "fp32"
+    return precision
+
+
+def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: float = 0.0, precision: str = "fp32",
+              compile: bool = False, loss_fn=lm_loss):
+    """The training step of memzoo: `memzoo train`, the toys, the cost suite's timed step and the
+    Ba experiment all run it. Returns ``step(batches, lr=None) -> loss``, which
+
+    1. sets every parameter group's lr to ``lr * lr_scale`` (when `lr` is given),
+    2. per micro-batch ``(x, y)`` of `batches`: forward, ``loss_fn(model, x, y) / len(batches)``
+       and backward (gradients accumulate over the micro-batches),
+    3. clips the gradients' global norm to `grad_clip` (0: no clipping),
+    4. takes the optimizer step and sets the gradients to None,
+
+    and returns the summed loss as a float, non-finite ones included (the caller decides).
+    `precision`: "fp32", or "bf16" (forward and loss under bf16 autocast, weights and optimizer
+    in fp32). `compile`: run the forward through ``torch.compile(model)``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    fwd = torch.compile(model) if compile else model
+
+    def step(batches, lr: float | None = None) -> float:
+        if lr is not None:
+            for g in opt.param_groups:
+                g["lr"] = lr * g["lr_scale"]
+        total = 0.0
+        for x, y in batches:
+            with torch.autocast(x.device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
+                loss = loss_fn(fwd, x, y) / len(batches)
+            loss.backward()
+            total += loss.item()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    return step
+
+
 def train(
     rc: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True, data=None,
-    overwrite: bool = False,
+    overwrite: bool = False, on_step=None,
 ) -> dict:
     """Train per `rc`; `stop_after` ends the run after that many steps *without* a final
     checkpoint, exactly like a kill (used by the resume test). `data` replaces the corpus
     named in the config: (stream with .batch(step, batch_size) -> (x, y), validation
-    batches, unigram entropy), as `prepare_data` returns (the bench mixes needles in).
+    batches, unigram entropy), as `prepare_data` returns (the bench leaves a corpus out and
+    mixes needles in). `on_step(record)` is called after every step with its metrics record
+    (step, loss, lr; val_loss where evaluated): the bench counts its progress with it.
     An out dir that holds another run is an error unless `resume` (continue it) or
     `overwrite` (delete its files first)."""
     tc = rc.train
@@ -177,6 +244,7 @@ def train(
     model = HybridLM(MemzooConfig.from_model_config(rc.model)).to(tc.device)
     model.train()
     opt = torch.optim.AdamW(param_groups(model, tc), lr=tc.lr, betas=tc.betas)
+    train_step = make_step(model, opt, tc.grad_clip, resolve_precision(tc.precision, tc.device), tc.compile)
     step, history, saved = 0, [], None
     if ck is not None:
         model.load_state_dict(ck["model"])
@@ -216,20 +284,10 @@ def train(
     t0, done_here = time.time(), 0
     while step < tc.steps:
         lr = lr_at(step, tc)
-        for g in opt.param_groups:
-            g["lr"] = lr * g["lr_scale"]
-        loss_sum = 0.0
-        for micro in range(tc.grad_accum):
-            x, y = stream.batch(step * tc.grad_accum + micro, tc.batch_size)
-            loss = model(x.to(tc.device), targets=y.to(tc.device)).loss / tc.grad_accum
-            loss.backward()
-            loss_sum += loss.item()
+        micro = (stream.batch(step * tc.grad_accum + i, tc.batch_size) for i in range(tc.grad_accum))
+        loss_sum = train_step([(x.to(tc.device), y.to(tc.device)) for x, y in micro], lr)
         if not math.isfinite(loss_sum):
             stop(f"loss is {loss_sum}", step + 1, lr)
-        if tc.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
         step += 1
         done_here += 1
         rec = {"step": step, "loss": loss_sum, "lr": lr}
@@ -239,6 +297,8 @@ def train(
                 stop(f"validation loss is {val_loss}", step, lr)
             rec["val_loss"] = val_loss
         history.append(rec)
+        if on_step is not None:
+            on_step(rec)
         toks = done_here * tc.batch_size * tc.grad_accum * tc.seq_len / (time.time() - t0)
         bar.set_postfix(loss=f"{loss_sum:.3f}", val=f"{val_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{toks:.0f}")
         bar.update(1)

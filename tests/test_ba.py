@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import TINY_LM
 from memzoo.data.assoc_retrieval import (
     DIGIT_OFFSET,
     QUERY_ID,
@@ -198,7 +199,7 @@ def test_rnn_learns_retrieval_n_pairs_2():
     chance (10%) and the 'some digit of the sequence' plateau (~55%): it retrieves by key. Seed 0
     reaches ~0.99 in 1500 steps, 10-25 s on one (shared) core; the bar leaves room for other
     torch builds."""
-    from memzoo.bench.ba_retrieval import RetrievalConfig, train_retrieval
+    from memzoo.bench.experiments.ba_retrieval import RetrievalConfig, train_retrieval
 
     cfg = RetrievalConfig(
         n_pairs=2, activation="tanh", lr=3e-3, batch_size=64, seed=0,  # the paper's R, λ, η, S, W
@@ -219,7 +220,7 @@ def test_rnn_learns_retrieval_n_pairs_2():
 def test_bench_cli_smoke(tmp_path):
     import json
 
-    from memzoo.bench.ba_retrieval import _parse_pairs, main
+    from memzoo.bench.experiments.ba_retrieval import _parse_pairs, main
 
     assert _parse_pairs("1-3,5") == [1, 2, 3, 5]
     out = tmp_path / "r.json"
@@ -292,16 +293,7 @@ def _tiny_lm():
     from memzoo.backbone.model import HybridLM
 
     torch.manual_seed(0)
-    return HybridLM.from_layout(
-        "GDN | ba@1",
-        d_model=32,
-        n_layers=2,
-        vocab_size=50,
-        ffn_dim=64,
-        gdn_heads=2,
-        gdn_head_dim=16,
-        memory={"ba": {"hidden_size": 16, "inner_steps": 1}},
-    )
+    return HybridLM.from_layout("GDN | ba@1", **TINY_LM, memory={"ba": {"hidden_size": 16, "inner_steps": 1}})
 
 
 def test_hybridlm_builds_and_trains():

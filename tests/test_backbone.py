@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import layer_options
 from memzoo.backbone import HybridLM, LayoutError, parse_layout
 from memzoo.backbone.attention import GatedAttention
 from memzoo.backbone.gdn import GatedDeltaNet
@@ -169,6 +170,32 @@ def test_configs_reject_unknown_keys(tmp_path):
         load_config("paper/nope")
     with pytest.raises(ValueError, match="unknown option"):
         HybridLM.from_layout("GDN | linear@1", **{**TINY, "memory": {"linear": {"no_such_option": 1}}})
+
+
+@pytest.mark.parametrize("site, order", [("before_mixer", ["mem", "mixer", "ffn"]),
+                                         ("after_mixer", ["mixer", "mem", "ffn"]),
+                                         ("after_ffn", ["mixer", "ffn", "mem"])])
+def test_a_memory_runs_at_its_site(site, order, monkeypatch):
+    from memzoo.layers.linear_attention import LinearAttentionMemory
+
+    monkeypatch.setattr(LinearAttentionMemory, "site", site)
+    block = HybridLM.from_layout("GDN | linear@1", **TINY).blocks[1]
+    calls = []
+    for what, mod in (("mixer", block.mixer), ("mem", block.mems[0]), ("ffn", block.ffn)):
+        mod.register_forward_hook(lambda *_, what=what: calls.append(what))
+    block(torch.randn(1, 5, 32), None, None)
+    assert calls == order
+
+
+def test_a_memory_at_the_ffn_site_replaces_the_ffn_and_a_bad_site_is_an_error(monkeypatch):
+    from memzoo.layers.linear_attention import LinearAttentionMemory
+    from memzoo.layers.pkm import PKM
+
+    block = HybridLM.from_layout("GDN | pkm@1", **TINY, memory={"pkm": layer_options("pkm")}).blocks[1]
+    assert isinstance(block.ffn, PKM) and not block.mems
+    monkeypatch.setattr(LinearAttentionMemory, "site", "mixer")
+    with pytest.raises(ValueError, match="site 'mixer'; expected one of before_mixer, after_mixer, ffn, after_ffn"):
+        HybridLM.from_layout("GDN | linear@1", **TINY)
 
 
 def test_wrong_input_dtype_is_explained():

@@ -17,12 +17,12 @@ from memzoo.config import ConfigError
 from memzoo.registry import layer_names
 
 MICRO = {
-    "backbone": {"layout": "GDN", "vocab_size": 257, "d_model": 32, "n_layers": 2, "ffn_dim": 64,
-                 "gdn_heads": 2, "gdn_head_dim": 16},
+    "model": {"layout": "GDN", "vocab_size": 257, "d_model": 32, "n_layers": 2, "ffn_dim": 64,
+              "gdn_heads": 2, "gdn_head_dim": 16},
     "layers": {"fwpkm": {"at": "1", "options": {"key_dim": 16, "value_dim": 16, "n_subkeys": 8, "topk": 2,
                                                 "chunk_size": 16}}},
-    "lm": {"corpus": "shakespeare", "tokenizer": "byte", "seq_len": 96, "batch_size": 2, "steps": 3,
-           "warmup": 1, "eval_every": 3, "eval_batches": 1, "ckpt_every": 100},
+    "train": {"corpus": "shakespeare", "tokenizer": "byte", "seq_len": 96, "batch_size": 2, "steps": 3,
+              "warmup": 1, "eval_every": 3, "eval_batches": 1, "ckpt_every": 100},
     "ppl": {"seq_len": 32, "max_tokens": 96},
     "niah": {"train_mix": 0.5},
 }
@@ -81,7 +81,7 @@ def test_recorder_appends_rows_with_provenance(tmp_path):
 def test_ppl_protocol(micro, tmp_path):
     """The baseline has no memory: carried and reset evaluation agree exactly. FwPKM's carried
     memory changes the loss, and evaluation leaves the trained memory as it was."""
-    from memzoo.bench import ppl
+    from memzoo.bench.suites import ppl
     from memzoo.bench.lm import shared_lm
 
     ctx = Context(load_preset(micro), 0, Recorder(tmp_path, "micro", 0), tmp_path / "work", progress=False)
@@ -116,7 +116,7 @@ def test_leaderboard_renders_byte_for_byte(micro, tmp_path):
 
 def test_inspect_prints_gates_and_trace(micro, tmp_path):
     from memzoo.bench.lm import lm_config, shared_lm
-    from memzoo.inspect import inspect_text
+    from memzoo.inspection import inspect_text
 
     ctx = Context(load_preset(micro), 0, Recorder(tmp_path, "micro", 0), tmp_path / "work", progress=False)
     shared_lm(ctx, "fwpkm")

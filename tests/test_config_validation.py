@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from memzoo.bench.common import load_preset
-from memzoo.config import ConfigError, load_config
+from memzoo.bench.common import load_preset, preset_names
+from memzoo.cli import _expand
+from memzoo.config import ConfigError, ModelConfig, TrainConfig, load_config, resolve_config_path
 
 CONFIGS = Path(__file__).resolve().parents[1] / "zoo_configs"  # this checkout's, whatever is installed
 
@@ -98,7 +99,7 @@ def test_good_config_reads_numbers_in_scientific_notation(tmp_path):
 
 def test_every_shipped_config_loads():
     paths = [p for p in sorted(CONFIGS.glob("*/*.yaml")) if p.parent.name != "bench"]
-    assert len(paths) >= 20
+    assert len(paths) >= 20 and {"paper/_base.yaml", "tiny/_base.yaml"} <= {f"{p.parent.name}/{p.name}" for p in paths}
     for p in paths:
         load_config(p)
     for p in sorted(CONFIGS.glob("bench/*.yaml")):
@@ -116,12 +117,12 @@ def _preset(tmp_path, **changes) -> str:
 
 
 @pytest.mark.parametrize("changes, needles", [
-    ({"lm__lr": "abc"}, ["lm.lr must be a number > 0", "'abc' (str)"]),
-    ({"backbone__d_model": "128"}, ["backbone.d_model must be an int", "'128' (str)"]),
+    ({"train__lr": "abc"}, ["train.lr must be a number > 0", "'abc' (str)"]),
+    ({"model__d_model": "128"}, ["model.d_model must be an int", "'128' (str)"]),
     ({"layers__fwpkm": {"at": "1,3", "options": {"tpok": 2}}}, ["layers.fwpkm: unknown option(s) ['tpok']"]),
     ({"layers__fwpkm": {"at": "9"}}, ["layers.fwpkm.at", "out of range"]),
     ({"layers__nope": {"at": "1"}}, ["layers.nope: unknown memory layer 'nope'"]),
-], ids=["lm-lr", "backbone-d_model", "layer-option", "layer-at", "layer-name"])
+], ids=["train-lr", "model-d_model", "layer-option", "layer-at", "layer-name"])
 def test_bad_preset_is_one_line_naming_the_key(tmp_path, changes, needles):
     path = _preset(tmp_path, **changes)
     with pytest.raises(ConfigError) as e:
@@ -135,6 +136,122 @@ def test_bad_preset_is_one_line_naming_the_key(tmp_path, changes, needles):
 
 def test_malformed_preset_names_file_and_line(tmp_path):
     path = tmp_path / "preset.yaml"
-    path.write_text("backbone:\n  d_model: 128\n\tn_layers: 2\n")
+    path.write_text("model:\n  d_model: 128\n\tn_layers: 2\n")
     with pytest.raises(ConfigError, match=r"preset\.yaml:3:1: invalid YAML"):
         load_preset(path)
+
+
+@pytest.mark.parametrize("old", ["backbone", "lm"])
+def test_preset_old_section_names_say_to_rename(tmp_path, old):
+    data = yaml.safe_load((CONFIGS / "bench" / "tiny.yaml").read_text())
+    data[old] = data.pop({"backbone": "model", "lm": "train"}[old])
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as e:
+        load_preset(path)
+    other = "(and 'lm' is 'train')" if old == "backbone" else "(and 'backbone' is 'model')"
+    new = {"backbone": "model", "lm": "train"}[old]
+    assert str(e.value) == f"{path}: section {old!r} is now {new!r} {other}: rename it"
+
+
+# ---- `base:` --------------------------------------------------------------------------------
+
+BASE = """\
+model:
+  vocab_size: 257
+  d_model: 32
+  n_layers: 2
+  memory: {fwpkm: {key_dim: 16, value_dim: 16, n_subkeys: 8, topk: 2, chunk_size: 16}}
+train: {lr: 1e-3, min_lr: 1e-4, steps: 7, seed: 3}
+"""
+
+
+def _files(tmp_path, **files) -> Path:
+    for name, text in files.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    return tmp_path / f"{list(files)[-1]}.yaml"
+
+
+def test_base_is_merged_section_by_section(tmp_path):
+    child = _files(tmp_path, _base=BASE, run="""\
+base: _base
+model: {layout: "GDN | FwPKM@1", memory: {fwpkm: {topk: 4}}}
+train: {steps: 9}
+paper: {params_m: 1.5}
+""")
+    rc = load_config(child)
+    assert rc.model.layout == "GDN | FwPKM@1" and (rc.model.d_model, rc.model.n_layers) == (32, 2)
+    assert rc.model.memory == {"fwpkm": {"key_dim": 16, "value_dim": 16, "n_subkeys": 8, "topk": 4, "chunk_size": 16}}
+    assert (rc.train.steps, rc.train.seed, rc.train.lr) == (9, 3, 1e-3) and rc.paper == {"params_m": 1.5}
+    flat = BASE.replace("topk: 2", "topk: 4").replace("steps: 7", "steps: 9")  # the same, written out
+    flat = flat.replace("model:\n", 'model:\n  layout: "GDN | FwPKM@1"\n')
+    assert load_config(_files(tmp_path, flat=flat)).to_dict() == rc.to_dict()
+    # a base may have a base; the nearest wins; a bare section changes nothing
+    grand = _files(tmp_path, more="base: run.yaml\nmodel:\ntrain: {seed: 5}\n")
+    rc2 = load_config(grand)
+    assert (rc2.train.seed, rc2.train.steps, rc2.model.memory["fwpkm"]["topk"]) == (5, 9, 4)
+
+
+@pytest.mark.parametrize("files, needles", [
+    ({"_base": BASE.replace("seed: 3", "sed: 3"), "run": "base: _base\n"},
+     ["run.yaml (with base ", "_base.yaml): train: unknown key 'sed'", "did you mean 'seed'"]),
+    ({"run": "base: _base\nmodel: {d_modle: 8}\n"}, ["run.yaml: base '_base': no such file", "_base.yaml"]),
+    ({"_base": BASE, "run": "base: _base\nmodel: {d_modle: 8}\n"}, ["model: unknown key 'd_modle'"]),
+    ({"a": "base: b\n", "b": "base: a\n", "run": "base: a\n"}, ["base cycle: run.yaml -> a.yaml -> b.yaml -> a.yaml"]),
+    ({"run": "base: run\n"}, ["run.yaml: base cycle: run.yaml -> run.yaml"]),
+    ({"_base": "model: [1]\n", "run": "base: _base\n"}, ["_base.yaml: model: expected a mapping, got list"]),
+    ({"_base": "optim: {}\n", "run": "base: _base\n"}, ["_base.yaml: unknown section 'optim'"]),
+    ({"run": "base: [a]\n"}, ["base must be the name of a YAML file", "['a']"]),
+    ({"_base": BASE, "run": 'base: _base\nmodel: {layout: "GDN | FwPKM@1", memory: {FwPKM: {topk: 4}}}\n'},
+     ["model.memory names layer 'fwpkm' twice (as 'FwPKM' too)"]),
+], ids=["unknown-key-in-base", "missing-base", "unknown-key-in-child", "cycle", "self", "base-section-list",
+        "base-unknown-section", "base-not-a-name", "memory-twice"])
+def test_bad_base_is_one_line(tmp_path, files, needles):
+    path = _files(tmp_path, **files)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    print(msg)
+    assert "\n" not in msg
+    for n in needles:
+        assert n in msg, (n, msg)
+
+
+def test_preset_may_have_a_base(tmp_path):
+    mc = {"layout": "GDN", "vocab_size": 257, "d_model": 32, "n_layers": 2, "ffn_dim": 64}
+    _files(tmp_path, _base=yaml.safe_dump({"model": mc, "train": {"steps": 3}}))
+    p = load_preset(_files(tmp_path, micro="base: _base\nlayers: {linear: {at: '1'}}\ntrain: {seed: 1}\n"))
+    assert p.backbone == mc and p.lm == {"steps": 3, "seed": 1} and list(p.layers) == ["linear"]
+
+
+def test_bases_are_not_listed(tmp_path):
+    _files(tmp_path, _base=BASE, a="base: _base\n")
+    assert _expand([str(tmp_path)]) == [str(tmp_path / "a.yaml")]
+    paper = _expand(["paper"])
+    assert len(paper) == 17 and not any(Path(p).name.startswith("_") for p in paper)
+    with pytest.raises(ConfigError) as e:
+        resolve_config_path("paper/nope")
+    assert "paper/gdn" in str(e.value) and "_base" not in str(e.value)
+    assert preset_names() == ["paper", "tiny"]
+
+
+def test_shipped_configs_state_only_what_differs_from_their_base():
+    """Every Table 2 row is the paper base (Table 3: ModelConfig's defaults, the paper's recipe)
+    with its own layout; every tiny config trains with the tiny recipe into its own out_dir."""
+    recipe = TrainConfig(tokenizer="mistral", seq_len=4096, batch_size=8, grad_accum=16, steps=20000, lr=1e-3,
+                         min_lr=1e-4, warmup=100).to_dict()
+    rows = [p for p in sorted((CONFIGS / "paper").glob("[!_]*.yaml")) if p.stem != "lact"]
+    assert len(rows) == 16
+    for p in rows:
+        rc = load_config(p)
+        assert rc.model.to_dict() == ModelConfig(layout=rc.model.layout).to_dict(), p.name
+        assert rc.train.to_dict() == recipe and set(rc.paper) == {"params_m", "flops_t", "flops_per_s_t", "samples_per_s"}
+        assert len(p.read_text().split("\nbase: _base\n")[1].splitlines()) == 2, p.name  # model: and paper: lines
+    lact = load_config("paper/lact")
+    assert lact.train.to_dict() == recipe and lact.model.window == 2048 and lact.model.memory["lact"]["chunk_size"] == 512
+    tiny = [p for p in sorted((CONFIGS / "tiny").glob("[!_]*.yaml"))]
+    assert len(tiny) >= 9
+    for p in tiny:
+        rc = load_config(p)
+        assert rc.train.to_dict() == TrainConfig(lr=3e-3, min_lr=3e-4, out_dir=f"runs/tiny-{p.stem}").to_dict(), p.name
+        assert (rc.model.vocab_size, rc.model.d_model, rc.model.n_layers, rc.model.ffn_dim) == (257, 128, 4, 384)

@@ -1,4 +1,4 @@
-"""The cost suite (bench/cost.py) and its FLOP counts (memzoo/ops/flops.py).
+"""The cost suite (bench/suites/cost.py) and its FLOP counts (memzoo/ops/flops.py).
 
 Table 2's accounting against all 16 published rows; the full count's parts against explicit
 counts: dense layers by hand, attention over an explicit mask, the chunked gated delta rule
@@ -163,7 +163,7 @@ def test_memory_layers_count_on_meta_and_leave_nothing_patched():
 
 
 def test_run_records_rows_tables_and_figure(tmp_path):
-    from memzoo.bench import cost
+    from memzoo.bench.suites import cost
     from memzoo.bench.common import BASELINE, Context, Recorder, load_preset
     from memzoo.bench.leaderboard import frame
 
@@ -173,7 +173,7 @@ def test_run_records_rows_tables_and_figure(tmp_path):
     cfg.write_text(yaml.safe_dump({"paper": {"params_m": 0.05, "flops_t": 1.0}, "model": mc}))
     preset = tmp_path / "micro.yaml"
     preset.write_text(yaml.safe_dump({
-        "backbone": mc,
+        "model": mc,
         "layers": {"fwpkm": {"at": "1", "options": {"key_dim": 8, "value_dim": 8, "n_subkeys": 4, "topk": 2,
                                                     "chunk_size": 8}}},
         "cost": {"batch": 2, "seq_len": 16, "warmup": 0, "steps": 1, "configs": [str(cfg)]},
@@ -201,7 +201,7 @@ def test_run_records_rows_tables_and_figure(tmp_path):
 
 
 def test_settings_reject_unknown_keys_and_paper_preset_lists_table2():
-    from memzoo.bench import cost
+    from memzoo.bench.suites import cost
     from memzoo.bench.common import load_preset
     from memzoo.config import ConfigError
 
@@ -216,7 +216,22 @@ def test_settings_reject_unknown_keys_and_paper_preset_lists_table2():
 
 
 def test_an_unknown_integer_read_on_meta_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="SCALAR_HINTS"):
+    with pytest.raises(RuntimeError, match="meta_scalar"):
         count_flops(lambda: int(torch.ones(3, dtype=torch.long, device="meta").sum()))
     ops, value = count_flops(lambda: torch.ones(3, device="meta").mean().item())  # a statistic: 0
     assert value == 0.0
+
+
+def test_time_fn_times_about_reps_calls_after_the_warmup():
+    import time
+
+    from memzoo.timing import Timing, time_fn
+
+    calls = []
+    t = time_fn(lambda: (calls.append(1), time.sleep(0.02)), warmup=2, reps=3)
+    # 2 warm-up calls, torch.utils.benchmark's own untimed one, then ~3 timed runs (blocks of
+    # calls where the timer's overhead would show: not for 20 ms sleeps on an idle machine)
+    assert t.times and len(calls) >= 3 + len(t.times)
+    assert 0.019 < t.min <= t.median <= max(t.times)
+    q = Timing((4.0, 1.0, 3.0, 2.0))
+    assert (q.median, q.mean, q.min, q.quantile(0.0), q.quantile(1.0), q.quantile(1 / 3)) == (2.5, 2.5, 1.0, 1.0, 4.0, 2.0)

@@ -5,23 +5,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import TINY_LM, layer_options, tiny_layer
 from memzoo.backbone import HybridLM
 from memzoo.config import load_config
 from memzoo.layers.fwl import FAST, FWL
 
 D, V = 32, 11
 TOL = dict(rtol=1e-5, atol=1e-5)
-BACKBONE = dict(d_model=32, n_layers=4, vocab_size=50, ffn_dim=64, gdn_heads=2, gdn_head_dim=16,
-                attn_heads=2, attn_kv_heads=1, attn_head_dim=16, window=8)
+BACKBONE = {**TINY_LM, "n_layers": 4}
 
 
 def make_layer(seed=0, **kw) -> FWL:
-    torch.manual_seed(seed)
-    layer = FWL(D, **{**FWL.test_config(), **kw}).double()
-    with torch.no_grad():  # move every slow weight off its init (zero biases, unit gain, equal steps)
-        for p in layer.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return layer
+    return tiny_layer("fwl", seed=seed, **kw)  # slow weights off their init (zero biases, unit gain, equal steps)
 
 
 def random_head(B, T, seed=1):
@@ -146,7 +141,7 @@ def test_causal_in_the_targets():
 
 def test_backbone_logits_causal_in_the_targets():
     torch.manual_seed(0)
-    model = HybridLM.from_layout("GDN+SWA | FWL", **BACKBONE, memory={"fwl": FWL.test_config()}).double().eval()
+    model = HybridLM.from_layout("GDN+SWA | FWL", **BACKBONE, memory={"fwl": layer_options("fwl")}).double().eval()
     ids = torch.randint(0, 50, (2, 13))
     inp, tg = ids[:, :-1], ids[:, 1:].clone()
     ref = model(inp, targets=tg).logits
@@ -227,7 +222,7 @@ def test_backbone_places_fwl_on_top_and_hands_it_the_lm_head():
     """"GDN+SWA | FWL": on the last block after its FFN; the logits are output_head(h + FWL(RMSNorm(h)))
     where FWL is SGD on L_t = CE(output_head(h_t + f_θ(x_t)), target_t): the backbone's own head."""
     torch.manual_seed(0)
-    model = HybridLM.from_layout("GDN+SWA | FWL", **BACKBONE, memory={"fwl": FWL.test_config()}).double().eval()
+    model = HybridLM.from_layout("GDN+SWA | FWL", **BACKBONE, memory={"fwl": layer_options("fwl")}).double().eval()
     assert model.layout.memories == (("fwl", (3,)),)
     block = model.blocks[-1]
     (fwl,) = block.mems
@@ -248,7 +243,7 @@ def test_backbone_places_fwl_on_top_and_hands_it_the_lm_head():
 
 def test_backbone_streams_with_cache_and_targets():
     torch.manual_seed(0)
-    model = HybridLM.from_layout("GDN+SWA | FWL", **BACKBONE, memory={"fwl": FWL.test_config()}).double().eval()
+    model = HybridLM.from_layout("GDN+SWA | FWL", **BACKBONE, memory={"fwl": layer_options("fwl")}).double().eval()
     ids = torch.randint(0, 50, (2, 17))
     inp, tg = ids[:, :-1], ids[:, 1:]
     full = model(inp, targets=tg).logits
@@ -265,7 +260,7 @@ def test_backbone_streams_with_cache_and_targets():
 def test_backbone_trains():
     """Builds, a training step reaches every parameter (each step size and decay), loss decreases."""
     torch.manual_seed(0)
-    model = HybridLM.from_layout("GDN+SWA | FWL", **BACKBONE, memory={"fwl": FWL.test_config()})
+    model = HybridLM.from_layout("GDN+SWA | FWL", **BACKBONE, memory={"fwl": layer_options("fwl")})
     ids = torch.randint(0, 50, (4, 17))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []

@@ -8,30 +8,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import D, TINY_LM, rand_x, tiny_layer
 from memzoo import build_layer
 from memzoo.backbone.model import HybridLM
 from memzoo.layers.fwmlp import FAST_KEYS, FwMLP
 
-D = 32
 F64 = dict(rtol=1e-10, atol=1e-10)
 
 # tiny sizes with the paper's defaults otherwise (lr 0.1, detached writes); the shared suite's
-# test_config() strengthens the write, see FwMLP.test_config
+# options strengthen the write, see "fwmlp" in tests/conftest.py
 PAPER_DEFAULTS_TINY = {"input_dim": 16, "intermediate_dim": 32, "output_dim": 16, "chunk_size": 8}
 
 
 def make(seed: int = 0, perturb: bool = True, **kw) -> FwMLP:
-    torch.manual_seed(seed)
-    layer = build_layer("fwmlp", D, **{**PAPER_DEFAULTS_TINY, **kw}).double()
-    if perturb:  # move the slow weights off their init (the gate bias, norms at 1, ...)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-    return layer
-
-
-def rand_x(b: int, t: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(b, t, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return tiny_layer("fwmlp", seed=seed, noise=0.05 if perturb else 0.0, options=PAPER_DEFAULTS_TINY, **kw)
 
 
 def manual_swiglu(q, p):
@@ -256,10 +246,7 @@ def test_paper_size_fast_weight_count_on_meta():
 # ---- (5) in a HybridLM --------------------------------------------------------------------------
 def test_hybrid_lm_training_step():
     torch.manual_seed(0)
-    model = HybridLM.from_layout(
-        "GDN | FwMLP@1", d_model=32, n_layers=2, vocab_size=50, ffn_dim=64, gdn_heads=2, gdn_head_dim=16,
-        memory={"fwmlp": PAPER_DEFAULTS_TINY},
-    )
+    model = HybridLM.from_layout("GDN | FwMLP@1", **TINY_LM, memory={"fwmlp": PAPER_DEFAULTS_TINY})
     (mem,) = model.memories()
     assert isinstance(mem, FwMLP) and not mem.prenorm
     fast = {id(v) for v in mem.state.values()}
@@ -286,7 +273,7 @@ def test_release_variant_equals_the_release_options_set_one_by_one():
     by_hand = dict(lookahead_target="mean", grad_through_update=True, before_mixer=True)
     assert VARIANTS["release"] == by_hand
     paper = make()
-    assert (paper.lookahead_target, paper.grad_through_update, paper.before_mixer) == ("next", False, False)
+    assert (paper.lookahead_target, paper.grad_through_update, paper.site) == ("next", False, "after_mixer")
     a, b = make(variant="release").train(), make(variant="paper", **by_hand).train()
     x = rand_x(2, 20).requires_grad_()
     ya, yb = a(x), b(x)
@@ -295,6 +282,7 @@ def test_release_variant_equals_the_release_options_set_one_by_one():
     gb = torch.autograd.grad(yb.pow(2).sum(), [x, *b.parameters()])
     assert all(torch.equal(u, v) for u, v in zip(ga, gb))
     assert all(torch.equal(a.state[k], b.state[k]) for k in FAST_KEYS)
+    assert a.site == b.site == "before_mixer"  # the block runs it before its token mixer
     assert make(variant="release", lookahead_target="next").lookahead_target == "next"  # ablation override
     with pytest.raises(ValueError, match="variant"):
         make(variant="authors")

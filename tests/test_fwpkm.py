@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from conftest import TINY_LM, layer_options
 from memzoo.backbone import HybridLM
 from memzoo.layers.fwpkm import FwPKM
 from memzoo.ops.product_key import gather_values
@@ -105,12 +106,12 @@ def test_addressing_loss_keeps_slots_in_use():
 
 
 def test_fast_weights_are_buffers_not_parameters():
-    layer = FwPKM(32, **FwPKM.test_config())
+    layer = FwPKM(32, **layer_options("fwpkm"))
     params = {id(p) for p in layer.parameters()}
     assert all(id(t) not in params for t in layer.state.values())
     names = {n for n, _ in layer.named_buffers()}
     assert {"fast_keys", "fast_values"} <= names
-    layer2 = FwPKM(32, **FwPKM.test_config())
+    layer2 = FwPKM(32, **layer_options("fwpkm"))
     layer(torch.randn(1, 16, 32))
     layer2.load_state_dict(layer.state_dict())  # the memory travels with the weights
     torch.testing.assert_close(layer2.state["values"], layer.state["values"])
@@ -118,7 +119,7 @@ def test_fast_weights_are_buffers_not_parameters():
 
 def test_per_sequence_option_keeps_sequences_apart():
     torch.manual_seed(0)
-    layer = FwPKM(32, per_sequence=True, **FwPKM.test_config())
+    layer = FwPKM(32, per_sequence=True, **layer_options("fwpkm"))
     x = torch.randn(2, 16, 32)
     layer.reset(2)
     y = layer(x)
@@ -130,7 +131,7 @@ def test_per_sequence_option_keeps_sequences_apart():
 def test_grad_through_update_option():
     """Paper default: a write is a local update, so a later chunk's output has no gradient
     w.r.t. an earlier chunk's input; the release's option keeps the update graph."""
-    cfg = FwPKM.test_config()  # chunk 8
+    cfg = layer_options("fwpkm")  # chunk 8
     for through in (False, True):
         torch.manual_seed(0)
         layer = FwPKM(32, grad_through_update=through, **cfg)
@@ -145,7 +146,7 @@ def test_grad_through_update_option():
 
 def test_stats_report_usage_gates_entropy_and_trace():
     torch.manual_seed(0)
-    layer = FwPKM(32, **FwPKM.test_config())
+    layer = FwPKM(32, **layer_options("fwpkm"))
     layer(torch.randn(2, 16, 32))
     s = layer.stats()
     assert 0 < s["usage"] <= 1 and 0 < s["marginal_entropy/sub1"] <= 1
@@ -160,12 +161,8 @@ def test_stats_report_usage_gates_entropy_and_trace():
 
 @pytest.mark.parametrize("layout", ["GDN | FwPKM@1", "GDN+SWA | PKM@0 + FwPKM@1"])
 def test_fwpkm_trains_in_a_model(layout):
-    from memzoo.layers.pkm import PKM
-
     torch.manual_seed(0)
-    model = HybridLM.from_layout(layout, d_model=32, n_layers=2, vocab_size=50, ffn_dim=64, gdn_heads=2,
-                                 gdn_head_dim=16, attn_heads=2, attn_kv_heads=1, attn_head_dim=16, window=8,
-                                 memory={"fwpkm": FwPKM.test_config(), "pkm": PKM.test_config()})
+    model = HybridLM.from_layout(layout, **TINY_LM, memory={"fwpkm": layer_options("fwpkm"), "pkm": layer_options("pkm")})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(0, 50, (2, 33))
     losses = []
@@ -186,8 +183,7 @@ def test_trained_memory_survives_save_pretrained(tmp_path):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = HybridLM.from_layout("GDN | FwPKM@1", d_model=32, n_layers=2, vocab_size=50, ffn_dim=64, gdn_heads=2,
-                                 gdn_head_dim=16, memory={"fwpkm": FwPKM.test_config()}).eval()
+    model = HybridLM.from_layout("GDN | FwPKM@1", **TINY_LM, memory={"fwpkm": layer_options("fwpkm")}).eval()
     model(torch.randint(0, 50, (2, 24)))  # writes: the memory is no longer at its initial value
     ids = torch.randint(0, 50, (1, 16))
     model.save_pretrained(tmp_path)
@@ -241,8 +237,8 @@ def test_release_variant_equals_the_release_options_set_one_by_one():
                    pooled_entropy=True)
     assert VARIANTS["release"] == by_hand
     paper = FwPKM(32, **cfg)
-    assert (paper.addr_loss_weight, paper.release_value_scale, paper.grad_through_update, paper.before_mixer,
-            paper.pooled_entropy) == (10.0, False, False, False, False)
+    assert (paper.addr_loss_weight, paper.release_value_scale, paper.grad_through_update, paper.site,
+            paper.pooled_entropy) == (10.0, False, False, "after_mixer", False)
     layers = []
     for kw in (dict(variant="release"), dict(variant="paper", **by_hand)):
         torch.manual_seed(0)
@@ -254,6 +250,7 @@ def test_release_variant_equals_the_release_options_set_one_by_one():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     for k in ("keys", "values"):
         assert torch.equal(layers[0].state[k], layers[1].state[k])
+    assert layers[0].site == layers[1].site == "before_mixer"  # the block runs it before its token mixer
     # an explicit option overrides the variant (for ablations)
     assert FwPKM(32, variant="release", addr_loss_weight=10.0, **cfg).addr_loss_weight == 10.0
     with pytest.raises(ValueError, match="variant"):
@@ -290,8 +287,8 @@ def test_bad_options_are_rejected_by_name(bad):
 @pytest.mark.parametrize("per_sequence", [False, True])
 def test_a_nan_in_one_sequence_reaches_no_other_sequence_and_no_later_call(per_sequence):
     torch.manual_seed(0)
-    layer = FwPKM(32, per_sequence=per_sequence, **FwPKM.test_config())
-    clean = FwPKM(32, per_sequence=per_sequence, **FwPKM.test_config())
+    layer = FwPKM(32, per_sequence=per_sequence, **layer_options("fwpkm"))
+    clean = FwPKM(32, per_sequence=per_sequence, **layer_options("fwpkm"))
     clean.load_state_dict(layer.state_dict())
     x = torch.randn(2, 24, 32)
     bad = x.clone()

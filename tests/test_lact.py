@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import TINY_LM, layer_options, rand_x, tiny_layer
 from memzoo import build_layer
 from memzoo.backbone import count_params
 from memzoo.backbone.model import HybridLM
@@ -25,17 +26,7 @@ ALL_ON = {"use_muon": True, "qk_norm": True, "v_silu": False, "w0_w2_low_rank": 
 
 
 def make(seed: int = 0, perturb: bool = True, **kw) -> LaCT:
-    torch.manual_seed(seed)
-    layer = build_layer("lact", D, **{**LaCT.test_config(), **kw}).double()
-    if perturb:  # move the slow weights off their init (scale 1, offset 0, zero biases, ...)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-    return layer
-
-
-def rand_x(b: int, t: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(b, t, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return tiny_layer("lact", seed=seed, noise=0.05 if perturb else 0.0, **kw)
 
 
 def f_manual(x, w0, w1, w2):
@@ -259,7 +250,7 @@ def test_initial_fast_weights_are_learned():
 
 def test_fast_weights_stay_fp32_in_bf16():
     torch.manual_seed(0)
-    layer = build_layer("lact", D, **LaCT.test_config()).to(torch.bfloat16)
+    layer = build_layer("lact", D, **layer_options("lact")).to(torch.bfloat16)
     layer.reset(2)
     y = layer(torch.randn(2, 2 * C, D, dtype=torch.bfloat16))
     assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
@@ -279,7 +270,7 @@ def test_fast_weights_stay_fp32_in_bf16():
 )
 def test_bad_options_raise_clearly(kw, match):
     with pytest.raises(ValueError, match=match):
-        build_layer("lact", D, **{**LaCT.test_config(), **kw})
+        build_layer("lact", D, **{**layer_options("lact"), **kw})
 
 
 def test_stats():
@@ -330,10 +321,7 @@ def test_tiny_config_builds():
 # ---- (5) in the backbone ----------------------------------------------------------------------
 def tiny_model() -> HybridLM:
     torch.manual_seed(0)
-    return HybridLM.from_layout(
-        "SWA | LaCT@all", d_model=32, n_layers=2, vocab_size=50, ffn_dim=64, attn_heads=2, attn_kv_heads=1,
-        attn_head_dim=16, window=8, memory={"lact": LaCT.test_config()},
-    )
+    return HybridLM.from_layout("SWA | LaCT@all", **TINY_LM, memory={"lact": layer_options("lact")})
 
 
 def test_hybrid_training_step():

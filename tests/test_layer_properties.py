@@ -1,6 +1,8 @@
 """The shared property suite: every registered MemoryLayer must pass it (DESIGN.md, "Properties
-every layer must pass"). It is parametrised over ``memzoo.registry.layer_names()``, so a layer
-registered later is tested without editing this file.
+every layer must pass"). It is parametrised over ``memzoo.registry.layer_names()`` when it is
+collected, so a layer registered before that is tested without editing this file: one of the
+package, or a plugin's (``pytest -p MODULE`` imports MODULE before collection; MEMZOO_PLUGINS
+works too).
 
 Properties:
   1. Streaming: forward(x) == forward(x[:, :a]) then forward(x[:, a:]) for a on chunk
@@ -15,19 +17,13 @@ Properties:
      before t finite; an empty sequence (T = 0) gives an empty output and changes no state.
   Plus: load_state round trip, clear errors for bad shapes / batch size / bad options, detach_state.
 
-Optional hooks a layer class may define (looked up with getattr; none is required):
-
-  test_config()        classmethod -> dict of build_layer kwargs for d_model=32 (tiny sizes).
-  inclusive            bool, default False. True: forward is, per token/chunk, write then read
-                       (linear attention: position t sees its own write). False: the base
-                       class's definition, read with the memory so far, then write.
-  grad_exempt_params   tuple of fnmatch patterns of parameter names that may get an all-zero
-                       gradient from one forward (say why in the layer's docstring).
-  test_targets(x)      classmethod -> targets for needs_targets layers; sliced along dim 1
-                       together with x when streaming.
-  parallel_chunk       int: the chunk length of a token-recurrent layer's parallel form; the
-                       non-finite-input test spans three of them (three chunk_size chunks for
-                       chunk-level layers, 48 tokens otherwise).
+What the suite needs beyond the layer (small options, `iterative`, targets for needs_targets
+layers, gradient exemptions) is the layer's test entry in tests/conftest.py (LAYER_TESTS, or a
+plugin module's MEMZOO_TESTS); without one a layer is built with its defaults. From the layer
+it reads the MemoryLayer attributes (inclusive, chunk_size, per_sequence, lookahead, site,
+needs_targets) and, if present, ``parallel_chunk``: the chunk length of a token-recurrent
+layer's parallel form; the non-finite-input test spans three of them (three chunk_size chunks
+for chunk-level layers, 48 tokens otherwise).
 
 Parameters are perturbed by small noise before the structural tests, so that a zero-init
 (e.g. an output projection or gate initialised to 0) cannot make a property hold vacuously.
@@ -43,29 +39,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import D, layer_options, layer_test, rand_x, tiny_layer
 from memzoo.layers.base import MemoryLayer, build_layer
-from memzoo.registry import get_layer, layer_names
+from memzoo.registry import layer_names
 
-D = 32
-NAMES = layer_names()
+NAMES = layer_names()  # at collection: plugins given with -p (or MEMZOO_PLUGINS) are registered by now
 F64 = dict(rtol=1e-8, atol=1e-10)
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def _config(name: str) -> dict:
-    hook = getattr(get_layer(name), "test_config", None)
-    return dict(hook()) if callable(hook) else {}
-
-
 def make_layer(name: str, *, seed: int = 0, dtype=torch.float64, perturb: bool = True) -> MemoryLayer:
-    torch.manual_seed(seed)
-    layer = build_layer(name, d_model=D, **_config(name)).to(dtype).eval()
-    if perturb:
-        with torch.no_grad():
-            for p in layer.parameters():
-                if p.is_floating_point():
-                    p.add_(0.02 * torch.randn_like(p))
-    return layer
+    return tiny_layer(name, seed=seed, dtype=dtype, noise=0.02 if perturb else 0.0).eval()
 
 
 def batch(layer: MemoryLayer, b: int) -> int:
@@ -84,9 +68,9 @@ def seq_plan(layer: MemoryLayer) -> tuple[int, list[int]]:
 def targets_for(layer: MemoryLayer, x: torch.Tensor):
     if not layer.needs_targets:
         return None
-    hook = getattr(type(layer), "test_targets", None)
+    hook = layer_test(layer.name)["targets"]
     if hook is None:
-        pytest.fail(f"{type(layer).__name__} has needs_targets=True but no test_targets(x) classmethod")
+        pytest.fail(f"{layer.name} has needs_targets=True but its test entry gives no targets (tests/conftest.py)")
     return hook(x)
 
 
@@ -112,11 +96,6 @@ def assert_states_equal(a: dict, b: dict, exact: bool = True, **tol):
             assert torch.equal(a[k], b[k]), f"state[{k!r}] differs (max {(a[k] - b[k]).abs().max().item():.3g})"
         else:
             torch.testing.assert_close(a[k], b[k], **tol, msg=lambda m, k=k: f"state[{k!r}]: {m}")
-
-
-def rand_x(b: int, t: int, seed: int = 1, dtype=torch.float64) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(b, t, D, generator=g, dtype=dtype)
 
 
 # ---- 1. streaming --------------------------------------------------------------------------
@@ -158,7 +137,7 @@ def test_forward_matches_read_write_definition(name):
     y, s = layer.forward_state(x, layer.init_state(B))
 
     C = layer.chunk_size or 1
-    inclusive = getattr(layer, "inclusive", False)
+    inclusive = layer.inclusive
     state, ys = layer.init_state(B), []
     for a in range(0, T, C):
         xc = x[:, a : a + C]
@@ -186,7 +165,7 @@ def test_read_is_pure_and_reset_restores(name):
     wr(layer, rand_x(2, T, seed=2))
     fwd(layer, rand_x(2, T, seed=3), targets_for(layer, rand_x(2, T, seed=3)))
     before = clone_state(layer.state)
-    if not layer.replaces_ffn:
+    if layer.site != "ffn":
         assert any(not torch.equal(before[k], init[k]) for k in init), "write/forward left the state unchanged"
 
     y = layer.read(rand_x(2, T, seed=4))
@@ -247,7 +226,7 @@ def test_bad_input_raises_clearly(name):
                 verb(x3)
 
 
-BAD_OPTIONS = [  # (layer, bad option on top of test_config(), the option the error must name)
+BAD_OPTIONS = [  # (layer, bad option on top of its test options, the option the error must name)
     ("linear", {"num_heads": 0}, "num_heads"),
     ("linear", {"eps": -1.0}, "eps"),
     ("mom", {"topk": 5}, "topk"),
@@ -271,14 +250,14 @@ BAD_OPTIONS = [  # (layer, bad option on top of test_config(), the option the er
 def test_bad_options_raise_clearly(name, bad, option):
     """A bad constructor option is a one-line ValueError that names it."""
     with pytest.raises(ValueError, match=re.escape(option)) as err:
-        build_layer(name, d_model=D, **{**_config(name), **bad})
+        build_layer(name, d_model=D, **{**layer_options(name), **bad})
     assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_zero_d_model_raises(name):
     with pytest.raises(ValueError, match="d_model"):
-        build_layer(name, d_model=0, **_config(name))
+        build_layer(name, d_model=0, **layer_options(name))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -346,7 +325,7 @@ def test_gradients_reach_every_slow_weight(name):
     y = fwd(layer, x, targets_for(layer, x))
     r = torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)
     (y * r).sum().backward()
-    exempt = tuple(getattr(layer, "grad_exempt_params", ()))
+    exempt = tuple(layer_test(name)["grad_exempt"])
     params = [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
     assert params, "layer has no trainable slow weights"
     for n, p in params:
@@ -435,10 +414,9 @@ def retrieval(out, vals):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_memorization(name):
-    cls = get_layer(name)
-    if cls.replaces_ffn:
-        pytest.skip(f"{name}: write is a no-op (replaces_ffn; its memory is slow weights), nothing to memorize")
     layer = make_layer(name, dtype=torch.float32, perturb=False).train()
+    if layer.site == "ffn":
+        pytest.skip(f"{name}: write is a no-op (it replaces the FFN; its memory is slow weights), nothing to memorize")
     gen = torch.Generator().manual_seed(0)
     opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
     b_train = TRAIN_BATCH if layer.per_sequence else 8
@@ -472,7 +450,7 @@ def test_memorization(name):
     assert acc1 >= 2 * chance, msg
     assert acc1 >= acc0 + 0.15, msg
     assert mse1 < mse0, msg
-    if cls.iterative:
+    if layer_test(name)["iterative"]:
         mse2, acc2 = retrieval(recall(layer, x_write, x_query, n_writes=2).detach(), vals)
         assert mse2 < mse1, f"{msg}; iterative layer: mse after two writes {mse2:.4f} is not below one write"
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import tiny_layer
 from memzoo import build_layer, get_layer
 from memzoo.layers.linear_attention import LinearAttentionMemory
 from memzoo.ops.linear_attention import (
@@ -150,12 +151,8 @@ CONFIGS = [
 
 
 def make(D=16, seed=0, **kw) -> LinearAttentionMemory:
-    torch.manual_seed(seed)
-    layer = LinearAttentionMemory(D, **kw).double()
-    with torch.no_grad():  # the decay gate's weight starts at 0; make it data-dependent for the test
-        for p in layer.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    return layer
+    # noise: the decay gate's weight starts at 0; make it data-dependent for the test
+    return tiny_layer("linear", seed=seed, noise=0.3, d_model=D, **kw)
 
 
 def naive(layer: LinearAttentionMemory, x: torch.Tensor, inclusive: bool = True):

@@ -9,26 +9,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import D, TINY_LM, layer_options, rand_x, tiny_layer
 from memzoo import build_layer
 from memzoo.backbone.model import HybridLM
 from memzoo.layers.mom import MoM, load_balancing_loss
 
-D = 32
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-11), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 
 
 def make(seed=0, dtype=torch.float64, **over) -> MoM:
-    torch.manual_seed(seed)
-    layer = build_layer("mom", D, **{**MoM.test_config(), **over}).to(dtype).eval()
-    with torch.no_grad():  # as the shared suite: break the symmetric small init, spread the routing
-        for p in layer.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    # break the symmetric small init (as the shared suite), then spread the routing
+    layer = tiny_layer("mom", seed=seed, dtype=dtype, **over).eval()
+    with torch.no_grad():
         layer.gate.weight.mul_(20.0)
     return layer
-
-
-def rand_x(B, T, seed=1, dtype=torch.float64):
-    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
 def random_state(layer: MoM, B: int, seed=3) -> dict:
@@ -251,8 +245,7 @@ def test_options_and_errors():
 # ---- (5) in the backbone ------------------------------------------------------------------------
 def test_mom_trains_in_hybrid_lm():
     torch.manual_seed(0)
-    model = HybridLM.from_layout("GDN | MoM@1", d_model=32, n_layers=2, vocab_size=50, ffn_dim=64, gdn_heads=2,
-                                 gdn_head_dim=16, memory={"mom": MoM.test_config()}).train()
+    model = HybridLM.from_layout("GDN | MoM@1", **TINY_LM, memory={"mom": layer_options("mom")}).train()
     mom = [m for m in model.memories() if isinstance(m, MoM)]
     assert len(mom) == 1
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

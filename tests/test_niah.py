@@ -1,5 +1,5 @@
 """NIAH: the construction (memzoo.data.niah), the training mixture, the n-iter protocol and
-the suite's tables/figures (memzoo.bench.niah)."""
+the suite's tables/figures (memzoo.bench.suites.niah)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 import memzoo.layers  # noqa: F401  (registers the layers)
 from memzoo.backbone.model import HybridLM
-from memzoo.bench import niah as suite
+from memzoo.bench.suites import niah as suite
 from memzoo.bench.common import load_preset, model_config
 from memzoo.data import LMStream, get_tokenizer
 from memzoo.data.niah import NEEDLE, NeedleMix, TextSource, make_sample, niah_samples

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import TINY_LM, layer_options, tiny_layer
 from memzoo.layers.base import build_layer
 from memzoo.layers.pkm import PKM
 from memzoo.ops.product_key import brute_force_topk, gather_values, lookup, product_topk, subkey_scores
@@ -22,13 +23,8 @@ F64 = dict(rtol=1e-10, atol=1e-12)
 
 
 def tiny(seed: int = 0, perturb: bool = True, **over) -> PKM:
-    torch.manual_seed(seed)
-    layer = PKM(32, **{**PKM.test_config(), **over}).double()
-    if perturb:  # move the zero-initialised biases / unit norm weights off their init
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-    return layer
+    # perturb: move the zero-initialised biases / unit norm weights off their init
+    return tiny_layer("pkm", seed=seed, noise=0.05 if perturb else 0.0, **over)
 
 
 def rand(*shape, seed=0):
@@ -224,11 +220,11 @@ def test_paper_model_with_pkm_matches_table2(name, layout, table2):
 
 # ---- 4. optimizer group of the values -----------------------------------------------------
 def test_optim_groups_values_only():
-    layer = PKM(32, **PKM.test_config())
+    layer = PKM(32, **layer_options("pkm"))
     (g,) = layer.optim_groups()
     assert len(g["params"]) == 1 and g["params"][0] is layer.values
     assert g["lr_scale"] == 1.0 and g["weight_decay"] == 0.0
-    (g,) = PKM(32, **PKM.test_config(), value_lr_scale=3.0).optim_groups()
+    (g,) = PKM(32, **layer_options("pkm"), value_lr_scale=3.0).optim_groups()
     assert g["lr_scale"] == 3.0
 
 
@@ -236,7 +232,7 @@ def test_trainer_param_groups_take_values_out_of_decay():
     from memzoo.backbone.model import HybridLM
     from memzoo.train import param_groups
 
-    model = HybridLM.from_layout("GDN | PKM@1", **TINY_LM)
+    model = HybridLM.from_layout("GDN | PKM@1", **PKM_LM)
     pkm = model.blocks[1].ffn
     groups = param_groups(model, SimpleNamespace(weight_decay=0.1))
     holding = [g for g in groups if any(p is pkm.values for p in g["params"])]
@@ -286,8 +282,7 @@ def test_rmsnorm_queries_are_causal_in_training():
 
 
 # ---- 6. in the backbone --------------------------------------------------------------------
-TINY_LM = dict(d_model=32, n_layers=2, vocab_size=50, ffn_dim=64, gdn_heads=2, gdn_head_dim=16,
-               memory={"pkm": PKM.test_config()})
+PKM_LM = dict(**TINY_LM, memory={"pkm": layer_options("pkm")})
 
 
 def test_backbone_builds_and_trains_a_step():
@@ -296,7 +291,7 @@ def test_backbone_builds_and_trains_a_step():
     from memzoo.train import param_groups
 
     torch.manual_seed(0)
-    model = HybridLM.from_layout("GDN | PKM@1", **TINY_LM)
+    model = HybridLM.from_layout("GDN | PKM@1", **PKM_LM)
     assert isinstance(model.blocks[1].ffn, PKM) and isinstance(model.blocks[0].ffn, SwiGLU)
     assert len(model.blocks[1].mems) == 0 and model.memories() == [model.blocks[1].ffn]
     pkm = model.blocks[1].ffn

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from conftest import layer_options
 from memzoo.cli import main
 from memzoo.config import load_config
 from memzoo.storage import atomic_open, load_tensors
@@ -188,12 +189,11 @@ def test_checkpoints_of_every_layer_load_weights_only(tmp_path):
     """What `train` saves (model with its memory state, optimizer) needs no pickled code."""
     from memzoo.backbone.model import HybridLM, MemzooConfig
     from memzoo.config import ModelConfig, TrainConfig
-    from memzoo.registry import get_layer, layer_names
+    from memzoo.registry import layer_names
     from memzoo.train import param_groups
 
     for name in layer_names():
-        layer = get_layer(name)
-        mem = {name: layer.test_config()} if hasattr(layer, "test_config") else {}
+        mem = {name: layer_options(name)}
         model = HybridLM(MemzooConfig.from_model_config(ModelConfig(**{**MODEL, "layout": f"GDN | {name}@1"},
                                                                     memory=mem)))
         opt = torch.optim.AdamW(param_groups(model, TrainConfig()), lr=1e-3)

@@ -1,5 +1,5 @@
 """Tests for the toys suite: the MQAR generator (zoology's multiquery_ar semantics) and a
-micro run of bench/toys.py (training, rows, tables, figures)."""
+micro run of bench/suites/toys.py (training, rows, tables, figures)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import memzoo.layers  # noqa: F401  (registers the layers)
-from memzoo.bench import toys
+from memzoo.bench.suites import toys
 from memzoo.bench.common import BASELINE, Context, Recorder, load_preset
 from memzoo.config import ConfigError
 from memzoo.data import mqar

@@ -5,16 +5,15 @@ import math
 import pytest
 import torch
 
+from conftest import layer_options
 from memzoo.config import ModelConfig, RunConfig, TrainConfig
 from memzoo.train import lr_at, train
 
 
 def _rc(tmp_path, layout="GDN+SWA | linear@1", **train_kw) -> RunConfig:
-    from memzoo.layers.fwpkm import FwPKM
-
     model = ModelConfig(layout=layout, vocab_size=257, d_model=32, n_layers=2, ffn_dim=64,
                         attn_heads=2, attn_kv_heads=1, attn_head_dim=16, window=16, gdn_heads=2, gdn_head_dim=16,
-                        gdn_chunk=16, memory={"fwpkm": FwPKM.test_config()})
+                        gdn_chunk=16, memory={"fwpkm": layer_options("fwpkm")})
     tc = dict(seq_len=32, batch_size=4, steps=8, warmup=2, lr=3e-3, min_lr=3e-4, eval_every=4, eval_batches=2,
               ckpt_every=2, out_dir=str(tmp_path / "run"))
     tc.update(train_kw)
@@ -69,3 +68,28 @@ def test_vocab_too_small_is_explained(tmp_path):
 def test_bad_train_values_are_explained(tmp_path):
     with pytest.raises(ValueError, match="train.steps must be >= 1"):
         train(_rc(tmp_path, steps=0), progress=False)
+
+
+def test_train_step_accumulates_micro_batches_and_runs_bf16(tmp_path):
+    """make_step: two micro-batches of 2 take the step one batch of 4 takes (the same mean loss,
+    up to float rounding); bf16 autocast runs; an unknown precision is refused."""
+    from memzoo.backbone.model import HybridLM
+    from memzoo.train import make_step, param_groups
+
+    rc = _rc(tmp_path)
+    x = torch.randint(0, 257, (4, 16), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(x, -1, 1)
+    results = []
+    for batches in ([(x, y)], [(x[:2], y[:2]), (x[2:], y[2:])]):
+        torch.manual_seed(0)
+        model = HybridLM(rc.model)
+        opt = torch.optim.SGD(param_groups(model, rc.train), lr=1.0)  # the weights move by the gradient
+        loss = make_step(model, opt, grad_clip=1.0)(batches, lr=1.0)
+        assert all(p.grad is None for p in model.parameters())  # zeroed after the step
+        results.append((loss, [p.detach().clone() for p in model.parameters()]))
+    (a, pa), (b, pb) = results
+    assert a == pytest.approx(b, rel=1e-5)
+    assert all(torch.allclose(p, q, atol=1e-5) for p, q in zip(pa, pb))
+    assert math.isfinite(make_step(model, opt, precision="bf16")([(x, y)]))
+    with pytest.raises(ValueError, match="precision must be one of fp32, bf16"):
+        make_step(model, opt, precision="fp16")

@@ -82,7 +82,7 @@ def parse_layout(text: str, n_layers: int) -> Layout:
             except ValueError:
                 _fail(text, f"unknown memory layer {name!r}; registered: {', '.join(layer_names())}")
             if where is None:
-                where = getattr(cls, "default_where", None)
+                where = cls.default_where
                 if where is None:
                     _fail(text, f"{item!r} needs positions, e.g. '{name}@2,6,10' or '{name}@all'")
             where = where.strip()
@@ -100,7 +100,7 @@ def parse_layout(text: str, n_layers: int) -> Layout:
                 bad = [i for i in idx if i >= n_layers]
                 if bad:
                     _fail(text, f"{name}@{bad[0]} is out of range for {n_layers} layers (indices are 0..{n_layers - 1})")
-            if cls.replaces_ffn:  # two FFN replacements cannot share a block
+            if cls.site == "ffn":  # two FFN replacements cannot share a block
                 for i in idx:
                     if i in seen:
                         _fail(text, f"{name} and {seen[i]} both replace the FFN of layer {i}")

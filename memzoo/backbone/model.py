@@ -9,15 +9,16 @@ Block i (pre-norm residual, Qwen3-Next style; Sec. 4.1 of the FwPKM paper):
 Embeddings are tied to the output head (this is what reproduces Table 2's parameter counts):
 `output_head(h) = E · RMSNorm(h)`.
 
-Where a memory sits in its block: between the mixer and the FFN (the default), before the
-mixer (`before_mixer`, the FwPKM release), or on the block's output after its FFN
-(`after_ffn`; FWL "on top of the last layer"). What a memory is handed besides its input:
+Where a memory sits in its block is its `site` (memzoo.layers.base.SITES): "after_mixer",
+between the mixer and the FFN (the default); "before_mixer" (the FwPKM release); "ffn", in
+place of the block's FFN (PKM); "after_ffn", on the block's output (FWL "on top of the last
+layer"). What a memory is handed besides its input:
 
 - `needs_targets`: `targets=` the next-token targets (targets[b, t] = input_ids[b, t+1],
   -100 = ignore; None when the caller gives none, e.g. generation).
 - `needs_head` (FWL): `head=` a callable y [B, T, D] -> logits [B, T, V], the LM logits if
   the layer's output y is added to the residual at its place: `output_head(h + y)`. Everything
-  after such a layer must be position-wise, so it must sit `after_ffn` in the last block
+  after such a layer must be position-wise, so it must sit "after_ffn" in the last block
   and be the last memory there (checked when the model is built). A layer uses it to
   differentiate each position's own LM loss (e.g. FWL's per-position gradients, Eq. 2).
 
@@ -42,7 +43,7 @@ from memzoo.backbone.ffn import RMSNorm, SwiGLU
 from memzoo.backbone.gdn import GatedDeltaNet
 from memzoo.backbone.layout import parse_layout
 from memzoo.config import ModelConfig
-from memzoo.layers.base import MemoryLayer, build_layer
+from memzoo.layers.base import SITES, MemoryLayer, build_layer
 
 
 class MemzooConfig(PretrainedConfig):
@@ -84,8 +85,11 @@ class Block(nn.Module):
         self.mixer_norm = RMSNorm(c.d_model, c.norm_eps)
         self.mixer = build_mixer(kind, c)
         mems = [build_layer(n, c.d_model, **c.memory.get(n, {})) for n in memory_names]
-        ffn_mem = [m for m in mems if m.replaces_ffn]
-        self.mems = nn.ModuleList([m for m in mems if not m.replaces_ffn])
+        for m in mems:
+            if m.site not in SITES:
+                raise ValueError(f"memory layer {m.name!r} has site {m.site!r}; expected one of {', '.join(SITES)}")
+        ffn_mem = [m for m in mems if m.site == "ffn"]
+        self.mems = nn.ModuleList([m for m in mems if m.site != "ffn"])
         self.mem_norms = nn.ModuleList(
             [RMSNorm(c.d_model, c.norm_eps) if m.prenorm else nn.Identity() for m in self.mems]
         )
@@ -97,7 +101,7 @@ class Block(nn.Module):
 
     def _memories(self, h: Tensor, targets: Tensor | None, site: str, head=None) -> Tensor:
         for norm, mem in zip(self.mem_norms, self.mems):
-            if _site(mem) != site:
+            if mem.site != site:
                 continue
             x = norm(h) if mem.prenorm else h
             kw = {"targets": targets} if mem.needs_targets else {}
@@ -113,12 +117,6 @@ class Block(nn.Module):
         h = self._memories(h + y, targets, "after_mixer")
         h = h + self.ffn(self.ffn_norm(h))
         return self._memories(h, targets, "after_ffn", head), cache
-
-
-def _site(mem: MemoryLayer) -> str:
-    if mem.before_mixer:
-        return "before_mixer"
-    return "after_ffn" if mem.after_ffn else "after_mixer"
 
 
 @dataclass
@@ -154,7 +152,7 @@ class HybridLM(PreTrainedModel):
         """A `needs_head` memory must have only position-wise work between it and the logits."""
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
-            top = [m for m in block.mems if _site(m) == "after_ffn"]
+            top = [m for m in block.mems if m.site == "after_ffn"]
             for m in block.mems:
                 if m.needs_head and (i != last or not top or top[-1] is not m):
                     where = f"layer {i}" if i != last else "a place followed by other memories"

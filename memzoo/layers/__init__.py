@@ -1,5 +1,6 @@
 """Memory layers. Importing this package registers every layer defined in it by name:
-a new layer is one file here with an @register_layer class (base and fw_io are not layers)."""
+a new layer is one file here with an @register_layer class (base and fw_io are not layers),
+or one file anywhere importable, loaded as a plugin (see memzoo.registry)."""
 
 import importlib
 import pkgutil

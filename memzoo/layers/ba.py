@@ -270,10 +270,6 @@ class BaFastWeights(MemoryLayer):
         self.cell = FastWeightsCell(hidden_size, inner_steps, decay, eta, activation, w_init)
         self.out_proj = nn.Linear(hidden_size, d_model, bias=False)  # O
 
-    @classmethod
-    def test_config(cls) -> dict:
-        return {"hidden_size": 32}
-
     # ---- state ---------------------------------------------------------------------------
     def _state_dtype(self) -> torch.dtype:
         return torch.promote_types(self.cell.W.dtype, torch.float32)

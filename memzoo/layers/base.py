@@ -23,7 +23,9 @@ snapshot with `{k: v.clone() for k, v in layer.state.items()}`; `load_state` cop
 backbone calls `detach_state()` where a sequence ends and state is carried on, so the
 graph never grows across optimizer steps.
 
-Three class attributes describe how a layer streams and what a "sequence" means to it:
+Class attributes (a layer overrides only those that differ from the default):
+
+How it streams and what a "sequence" means to it:
 
 - ``chunk_size``: None for token-recurrent layers (any split point streams exactly);
   an int C for chunk-level layers (read the chunk, then write it; splits on multiples
@@ -35,6 +37,36 @@ Three class attributes describe how a layer streams and what a "sequence" means 
 - ``per_sequence``: True when the state has a batch dimension and a new sequence starts
   from the initial state (LaCT, linear attention). False when one state is shared across
   the batch and persists across calls (FwPKM and FwMLP as the paper trains them).
+- ``lookahead``: True when `write` binds each position's key to the *next* position's value.
+
+Where it sits in a backbone block and what the block hands it (memzoo/backbone/model.py):
+
+- ``site``: one of SITES, in the order a block runs them:
+  "before_mixer" (before the token mixer: the FwPKM release), "after_mixer" (the default:
+  between the token mixer and the FFN, FwPKM paper Sec. 4.1), "ffn" (replaces the block's
+  FFN: PKM), "after_ffn" (on the block's output: FWL "on top of the last layer"). A layer
+  may set it per instance (FwPKM's and FwMLP's `before_mixer` option).
+- ``default_where``: the positions a bare NAME takes in a layout string ("last" for FWL);
+  None = the layout must say NAME@where.
+- ``prenorm``: True = the block hands the layer its own RMSNorm'd input; False = the raw
+  residual (layers with norms of their own: FwPKM's Eq. 26).
+- ``needs_targets``: forward also takes ``targets=`` (the next tokens; FWL).
+- ``needs_head``: forward also takes ``head=``: y [B, T, D] -> the LM logits (FWL).
+- ``aux_loss``: an auxiliary training loss of the last forward (MoM's load balancing),
+  already weighted; set by forward, added to the LM loss by HybridLM.
+
+What the bench and the cost counter need to know (memzoo/bench, memzoo/ops/flops.py):
+
+- ``bench_cost``: relative CPU cost of the layer's bench runs (the plain backbone is 1.0),
+  used to share layers among worker processes.
+- ``sparse_params``: names of slow parameters a token reads only a few rows of (PKM's value
+  table): Table 2's FLOPs accounting leaves them out.
+- ``meta_scalar(x)``: the integer a layer's data-dependent ``.item()`` takes while the FLOPs
+  are counted on the meta device (MoM's busiest-memory token count); None = the layer reads
+  none.
+
+``name`` is set by @register_layer. What the tests need (small sizes, whether rewriting
+improves recall) lives on the test side, in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -47,6 +79,9 @@ from torch import Tensor, nn
 
 State = dict[str, Tensor]
 
+#: where a block can run a memory layer, in the order it runs them (MemoryLayer.site)
+SITES = ("before_mixer", "after_mixer", "ffn", "after_ffn")
+
 
 class MemoryLayer(nn.Module):
     #: registry name, set by @register_layer
@@ -57,27 +92,26 @@ class MemoryLayer(nn.Module):
     per_sequence: bool = True
     #: True = forward writes each token/chunk before reading it (token mixers); False = read, then write
     inclusive: ClassVar[bool] = False
-    #: True = the layer replaces its block's FFN (PKM) instead of sitting beside the mixer
-    replaces_ffn: ClassVar[bool] = False
     #: True = `write` binds each position's key to the *next* position's value (lookahead)
     lookahead: bool = False
-    #: True = writing the same data again improves recall (gradient-style, iterative writes)
-    iterative: ClassVar[bool] = False
+    #: where a backbone block runs the layer: one of SITES (see the module docstring)
+    site: str = "after_mixer"
+    #: positions of a bare NAME in a layout string ("last", "all", "2,6"); None = NAME@where needed
+    default_where: ClassVar[str | None] = None
+    #: True = the block gives the layer its own RMSNorm'd input; False = the raw residual
+    #: (layers with norms of their own, e.g. FwPKM's Eq. 26)
+    prenorm: ClassVar[bool] = True
     #: True = forward needs next-token targets, passed as `forward(x, targets=...)` (FWL)
     needs_targets: ClassVar[bool] = False
-    #: placement in a backbone block: False = the block gives the layer its own RMSNorm'd input;
-    #: layers with norms of their own (FwPKM's Eq. 26) set it False and read the raw residual
-    prenorm: ClassVar[bool] = True
-    #: True = the block runs the layer before its token mixer (the FwPKM release) instead of
-    #: between mixer and FFN (the paper)
-    before_mixer: bool = False
     #: True = forward also takes `head=`: y [B, T, D] -> LM logits [B, T, V] (FWL's loss gradients)
     needs_head: ClassVar[bool] = False
-    #: True = the block runs the layer on its output, after its FFN ("on top of the last layer")
-    after_ffn: bool = False
     #: an auxiliary training loss of the last forward (e.g. MoM's load balancing), already
     #: weighted; HybridLM adds every layer's to the LM loss. Layers set it in forward.
     aux_loss: Tensor | None = None
+    #: relative CPU cost of the layer's bench runs (plain backbone = 1.0); balances bench workers
+    bench_cost: ClassVar[float] = 1.5
+    #: slow parameters a token reads only a few rows of (PKM's values); Table 2's FLOPs omit them
+    sparse_params: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, d_model: int):
         super().__init__()
@@ -130,6 +164,8 @@ class MemoryLayer(nn.Module):
             else:
                 ys.append(self.read_state(xc, state))
                 state = self.write_state(xc, state)
+        if not ys:  # an empty sequence
+            return x.new_empty(x.shape[0], 0, self.d_model), state
         return torch.cat(ys, dim=1), state
 
     # ---- the stateful shell -------------------------------------------------------------
@@ -175,6 +211,12 @@ class MemoryLayer(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y, self._state = self.forward_state(x, self._current(x))
         return y
+
+    def meta_scalar(self, x: Tensor) -> int | None:
+        """The value an integer `.item()` in this layer's forward takes while its FLOPs are
+        counted on the meta device (memzoo.ops.flops.step_flops), given the forward's input x:
+        a size that depends on the data. None (the default): the layer reads none."""
+        return None
 
     def advance_state(self, state: State, n: int) -> State:
         """The state a read sees after `n` more tokens went by unwritten (inside `one_chunk`).

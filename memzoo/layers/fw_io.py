@@ -83,3 +83,11 @@ def finite_tokens(*xs: Tensor | None) -> Tensor:
             f = torch.isfinite(x) if x.dim() == 2 else torch.isfinite(x).all(-1)
             ok = f if ok is None else ok & f
     return ok
+
+
+def from_variant(variants: dict, variant: str, **given) -> dict:
+    """The paper/release options (FwPKM, FwMLP): each given value, or where it is None the
+    value `variant` takes (`variants[variant]`)."""
+    if variant not in variants:
+        raise ValueError(f"variant must be one of {sorted(variants)}, got {variant!r}")
+    return {k: variants[variant][k] if v is None else v for k, v in given.items()}

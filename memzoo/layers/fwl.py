@@ -51,7 +51,7 @@ Training computes second-order gradients through the gradient updates ("We compu
 second-order gradients for the FWL parameters, backpropagating through ∇θ L_t"): the
 per-position gradients are built with ``create_graph`` whenever autograd records.
 
-Where it sits and what it needs (``needs_targets``, ``needs_head``, ``after_ffn``). The slow
+Where it sits and what it needs (``needs_targets``, ``needs_head``, ``site = "after_ffn"``). The slow
 pass needs the next-token targets and the LM head. In a :class:`~memzoo.backbone.HybridLM`,
 "... | FWL" places the layer on top of the last block (``default_where = "last"``, after that
 block's FFN) and the backbone calls ``forward(x, targets=targets, head=head)`` with
@@ -70,7 +70,7 @@ MemoryLayer verbs (targets/head as above; ``targets`` [B, T] int, -100 = ignore)
   it already has (the carried ΔΘ) and writes nothing.
 - ``read(x)``: f with θ - α ∘ ΔΘ at every position (no within-call updates); pure.
 - ``write(x, targets, head)``: adds the chunks' gradients to ΔΘ (with the decay). Without
-  targets there is nothing to write (a no-op). It is not ``iterative``: the gradients are
+  targets there is nothing to write (a no-op). Writes are not iterative: the gradients are
   taken at the slow weights, so writing the same data twice adds the same update twice.
 
 State (per sequence): the running update ΔΘ, ``{"dU": [B, D, H], "da": [B, H], "dW": [B, H, D],
@@ -120,15 +120,14 @@ class FWL(MemoryLayer):
     """
 
     per_sequence = True
-    inclusive: ClassVar[bool] = False
-    iterative: ClassVar[bool] = False
     needs_targets: ClassVar[bool] = True
     #: forward also takes `head`: y [B, T, D] -> LM logits [B, T, V] (position-wise)
     needs_head: ClassVar[bool] = True
     #: the block runs the layer on its output, after its FFN ("on top of the last layer")
-    after_ffn: ClassVar[bool] = True
+    site = "after_ffn"
     #: "GDN+SWA | FWL" puts it on the last layer
     default_where: ClassVar[str] = "last"
+    bench_cost = 1.6
 
     def __init__(
         self,
@@ -163,18 +162,6 @@ class FWL(MemoryLayer):
         # learned step sizes α and decays γ = sigmoid(decay_logit), one per entry of FAST
         self.step_size = nn.Parameter(torch.full((len(FAST),), float(step_size)))
         self.decay_logit = nn.Parameter(torch.full((len(FAST),), math.log(decay / (1.0 - decay))))
-
-    @classmethod
-    def test_config(cls) -> dict:
-        # tiny sizes; a large step so the fast term is far from vacuous in the fp64 checks
-        return dict(expansion=2, chunk_size=4, step_size=0.05, decay=0.8)
-
-    @classmethod
-    def test_targets(cls, x: Tensor) -> Tensor:
-        """Class of a token for the standalone (identity-head) layer: the largest feature of its
-        second half, D/2 + argmax(x[..., D/2:]) (for the suite's key+value tokens: the value)."""
-        h = x.shape[-1] // 2
-        return x[..., h:].argmax(-1) + h
 
     # ---- state ------------------------------------------------------------------------------
     def _state_dtype(self) -> torch.dtype:

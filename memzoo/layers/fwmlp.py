@@ -92,7 +92,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from memzoo.layers.base import MemoryLayer, State
-from memzoo.layers.fw_io import FastWeightIO, finite_tokens, write_pairs
+from memzoo.layers.fw_io import FastWeightIO, finite_tokens, from_variant, write_pairs
 from memzoo.registry import register_layer
 
 FAST_KEYS = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
@@ -142,14 +142,14 @@ class FwMLP(MemoryLayer):
             update with detached inputs (paper); default from ``variant``.
         before_mixer: place the layer before its block's token mixer (the release's
             ``fwpkm_before_attn: true``) or between mixer and FFN (the paper); default from ``variant``.
+            It sets the layer's ``site``: "before_mixer" or "after_mixer".
         seed: seed of the initial fast weights; default drawn from torch's global RNG.
         norm_eps: epsilon of the shell's RMSNorms.
     """
 
     #: the layer has its own RMSNorms (Eq. 26) and reads the raw residual stream
     prenorm: ClassVar[bool] = False
-    inclusive: ClassVar[bool] = False
-    iterative: ClassVar[bool] = True
+    bench_cost = 1.4
 
     def __init__(
         self,
@@ -172,11 +172,9 @@ class FwMLP(MemoryLayer):
         norm_eps: float = 1e-5,
     ):
         super().__init__(d_model)
-        if variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
-        given = dict(lookahead_target=lookahead_target, grad_through_update=grad_through_update, before_mixer=before_mixer)
-        opts = {k: VARIANTS[variant][k] if v is None else v for k, v in given.items()}
-        lookahead_target, grad_through_update, before_mixer = (opts[k] for k in given)
+        opts = from_variant(VARIANTS, variant, lookahead_target=lookahead_target,
+                            grad_through_update=grad_through_update, before_mixer=before_mixer)
+        lookahead_target, grad_through_update, before_mixer = opts.values()
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr!r}")
         for k, v in (("input_dim", input_dim), ("intermediate_dim", intermediate_dim), ("output_dim", output_dim)):
@@ -203,7 +201,7 @@ class FwMLP(MemoryLayer):
         self.gate_weighted_loss = bool(gate_weighted_loss)
         self.per_sequence = bool(per_sequence)
         self.grad_through_update = bool(grad_through_update)
-        self.before_mixer = bool(before_mixer)
+        self.site = "before_mixer" if before_mixer else "after_mixer"
 
         # slow weights: the shell of Eqs. 26, 33-34 (shared with FwPKM)
         self.io = FastWeightIO(d_model, input_dim, output_dim, gating=gating, value_norm=value_norm, norm_eps=norm_eps)
@@ -355,19 +353,6 @@ class FwMLP(MemoryLayer):
     def reset(self, batch_size: int = 1) -> None:
         self._last_write = None
         super().reset(batch_size)
-
-    @classmethod
-    def test_config(cls) -> dict:
-        """Tiny sizes for d_model = 32 (the shared property suite and CPU tests).
-
-        The paper's write (lr 0.1 on an MSE averaged over samples and features) moves a fresh
-        MLP by under 1% of its memorisation error per write: FwMLP is by design a weak one-shot
-        memory, and with detached writes no slow-weight gradient rewards larger updates. The
-        suite checks the write/read mechanism, so it uses lr 1 and lets the slow weights learn
-        through the update, as the release trains (create_graph in training). The paper's
-        defaults are tested in tests/test_fwmlp.py."""
-        return {"input_dim": 16, "intermediate_dim": 32, "output_dim": 16, "chunk_size": 8, "lr": 1.0,
-                "grad_through_update": True}
 
     def extra_repr(self) -> str:
         return (

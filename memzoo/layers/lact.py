@@ -87,7 +87,6 @@ the updates (η, μ and k, v train only this way), as in the reference.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -220,16 +219,8 @@ class LaCT(MemoryLayer):
         init_std: std of the slow linear layers' initialisation (0.02, the authors' config).
     """
 
-    prenorm: ClassVar[bool] = True
-    inclusive: ClassVar[bool] = False
-    #: not iterative: the dot-product loss is linear in f, so its gradient does not shrink as recall
-    #: improves (W1's step η v hᵀ does not even depend on W1: a Hebbian write, as in linear
-    #: attention). Writing the same pairs twice re-adds the same outer products (plus momentum) and
-    #: renormalises; it corrects no error. Measured at the suite's sizes (8 pairs, test_config):
-    #: recall MSE 0.034 after one write, 0.061 after two (RoPE: the second copy sits at other
-    #: positions); 0.0285 vs 0.0298 without RoPE.
-    iterative: ClassVar[bool] = False
     per_sequence = True
+    bench_cost = 1.6
 
     def __init__(
         self,
@@ -465,14 +456,6 @@ class LaCT(MemoryLayer):
     def reset(self, batch_size: int = 1) -> None:
         self._diag = {}
         super().reset(batch_size)
-
-    @classmethod
-    def test_config(cls) -> dict:
-        """Tiny sizes for d_model = 32: 2 heads of 16, 8-token chunks, RoPE on heads of 16.
-        The base rate is raised from 1e-3 to 0.1 (an 8-token write at 1e-3 moves the weight-
-        normalised fast weights by ~0.1%; the suite's 200-step training would first have to learn
-        the rate up); everything else is the reference's default."""
-        return {"num_heads": 2, "chunk_size": 8, "rope_head_dim": 16, "base_lr": 0.1}
 
     def extra_repr(self) -> str:
         return (

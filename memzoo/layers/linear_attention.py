@@ -82,6 +82,7 @@ class LinearAttentionMemory(MemoryLayer):
     inclusive: ClassVar[bool] = True
     #: chunk length of the parallel (chunked) op inside forward; any value gives the same result
     parallel_chunk: int = 64
+    bench_cost = 1.1
 
     def __init__(
         self,

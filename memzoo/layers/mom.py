@@ -146,6 +146,7 @@ class MoM(MemoryLayer):
     inclusive: ClassVar[bool] = True
     #: chunk length of the gated delta rule's chunked torch path inside forward (any value is exact)
     parallel_chunk: int = 64
+    bench_cost = 2.0
 
     def __init__(
         self,
@@ -228,10 +229,11 @@ class MoM(MemoryLayer):
                 nn.init.xavier_uniform_(lin.weight, gain=gain)
         self._last_usage: Tensor | None = None
 
-    @classmethod
-    def test_config(cls) -> dict:
-        """Tiny sizes for d_model = 32 (the shared property suite's hook)."""
-        return dict(num_memories=4, topk=2, num_heads=2, head_dim=16, conv_size=4)
+    def meta_scalar(self, x: Tensor) -> int:
+        """While FLOPs are counted on meta: every memory runs over the tokens routed to it, padded
+        to the busiest memory's count (`int(counts.max())` in forward_state); counted at perfectly
+        balanced routing, T · top-k / M tokens per memory (what the load-balancing loss aims at)."""
+        return math.ceil(x.shape[1] * self.topk / self.num_memories)
 
     # ---- router (Eq. 3-4) ---------------------------------------------------------------------
     def _cdtype(self) -> torch.dtype:

@@ -58,7 +58,7 @@ How the MemoryLayer verbs map: PKM is the degenerate memory layer. Its memory is
 trained by the outer optimizer only; there is no fast state (``state == {}``), ``write`` is a
 no-op, and ``read(x) == forward(x)``. It is one state shared across the batch
 (``per_sequence = False``, any batch size), token-recurrent (``chunk_size = None``), and takes
-its block's RMSNorm'd input in place of the FFN (``replaces_ffn = True``, ``prenorm = True``).
+its block's RMSNorm'd input in place of the FFN (``site = "ffn"``, ``prenorm = True``).
 
 Optimisation: the values are slow weights with an optimizer group of their own
 (:meth:`PKM.optim_groups`), without weight decay and with learning rate ``value_lr_scale`` × the
@@ -85,7 +85,6 @@ the KL divergence from uniform of the summed read weights (Lample et al.'s secon
 from __future__ import annotations
 
 import math
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -128,9 +127,10 @@ class PKM(MemoryLayer):
 
     chunk_size = None
     per_sequence = False  # no batch dimension; any batch size (the memory is the slow weights)
-    inclusive: ClassVar[bool] = False
-    replaces_ffn: ClassVar[bool] = True
-    prenorm: ClassVar[bool] = True
+    site = "ffn"
+    bench_cost = 1.3
+    #: a token reads k rows of the values: Table 2's FLOPs leave them out (memzoo.ops.flops)
+    sparse_params = ("values",)
 
     def __init__(
         self,
@@ -300,8 +300,3 @@ class PKM(MemoryLayer):
             f"value_dim={self.value_dim}, heads={self.heads}, topk={self.topk}, "
             f"query_norm={self.query_norm_kind!r}, output_gate={self.output_gate}"
         )
-
-    @classmethod
-    def test_config(cls) -> dict:
-        """Tiny sizes for d_model = 32 (64 slots); rmsnorm queries, so forward is per token and streams."""
-        return dict(key_dim=16, value_dim=16, heads=2, topk=4, n_subkeys=8, query_norm="rmsnorm")

@@ -39,7 +39,8 @@ slot-usage bincount, a diagnostic `.item()` or `.cpu()`); while counting they ge
 (sizes at their upper bound, statistics 0): only bookkeeping depends on them. One layer sizes its
 work by the data: MoM runs each memory over the tokens routed to it, padded to the busiest
 memory's count; it is counted at perfectly balanced routing (T · top-k / M tokens per memory,
-what its load-balancing loss aims at; `SCALAR_HINTS`). Any other integer read on meta is an error.
+what its load-balancing loss aims at). A layer states such a value with its `meta_scalar(x)`
+method (memzoo.layers.base.MemoryLayer); any other integer read on meta is an error.
 
 The optimizer step (AdamW: elementwise) is not counted.
 """
@@ -47,7 +48,6 @@ The optimizer step (AdamW: elementwise) is not counted.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from math import prod
 
@@ -66,10 +66,11 @@ TABLE2_BATCH, TABLE2_SEQ_LEN = 8, 4096  # Table 2: one step of 8 × 4096 tokens
 
 
 def sparse_table_params(model: torch.nn.Module) -> int:
-    """Slow parameters a token reads only k rows of: PKM's value tables."""
-    from memzoo.layers.pkm import PKM
+    """Slow parameters a token reads only k rows of (a layer's `sparse_params`: PKM's value tables)."""
+    from memzoo.layers.base import MemoryLayer
 
-    return sum(m.values.numel() for m in model.modules() if isinstance(m, PKM))
+    return sum(m.get_parameter(n).numel() for m in model.modules() if isinstance(m, MemoryLayer)
+               for n in m.sparse_params)
 
 
 def table2_params(model: torch.nn.Module) -> int:
@@ -275,27 +276,18 @@ def _count_attention(model: torch.nn.Module, tally: list):
             del mod._window_now
 
 
-# Integer values a layer reads from its tensors on meta (sizes that depend on the data), by
-# registry name: (module, its input) -> the value the count assumes.
-SCALAR_HINTS = {
-    # MoM pads every memory's routed tokens to the busiest memory's count (`int(counts.max())`);
-    # counted at perfectly balanced routing, T · top-k / M per memory (what its aux loss aims at)
-    "mom": lambda m, x: math.ceil(x.shape[1] * m.topk / m.num_memories),
-}
-
-
 class _MetaDataDependent(TorchDispatchMode):
     """While counting on meta: the ops whose output depends on data values get an answer.
     Sizes take their upper bound (FwPKM's torch.unique over the rows it writes: every row
     distinct; PKM's slot-usage bincount: one bin per index); a copy off the meta device (MoM's
     routing statistics `.cpu()`) holds zeros; a floating-point `.item()` (a diagnostic: FwMLP's
     mean gate) reads 0. An integer or boolean `.item()` can decide sizes and control flow, so
-    it takes the value the running layer's entry in SCALAR_HINTS gives (`hints`, pushed by
-    `step_flops` around that layer's forward) and is an error anywhere else."""
+    it takes the value the running memory layer's `meta_scalar(x)` gives (`hints`, pushed by
+    `step_flops` around every memory layer's forward) and is an error anywhere else."""
 
     def __init__(self):
         super().__init__()
-        self.hints: list[tuple[str, int]] = []  # (layer name, value), innermost last
+        self.hints: list[tuple[str, int | None]] = []  # (layer name, value), innermost last
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -304,10 +296,11 @@ class _MetaDataDependent(TorchDispatchMode):
             if func is aten._local_scalar_dense.default:
                 if x.dtype.is_floating_point or x.dtype.is_complex:
                     return 0.0
-                if not self.hints:
+                if not self.hints or self.hints[-1][1] is None:
+                    where = f"memory layer {self.hints[-1][0]!r}" if self.hints else "the model"
                     raise RuntimeError(
-                        "step_flops: a layer reads an integer value from a tensor (.item()) on the meta device, "
-                        "which a count cannot know; add the value to assume for it to memzoo.ops.flops.SCALAR_HINTS"
+                        f"step_flops: {where} reads an integer value from a tensor (.item()) on the meta device, "
+                        "which a count cannot know; give the value to assume from the layer's meta_scalar(x) method"
                     )
                 return self.hints[-1][1]
             to = kwargs.get("device")
@@ -329,22 +322,17 @@ class _MetaDataDependent(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _scalar_hints(model: torch.nn.Module, mode: _MetaDataDependent):
-    """Push each hinted layer's value (SCALAR_HINTS) while its forward runs."""
+    """Push each memory layer's `meta_scalar(x)` (None: it reads no integer) while its forward runs."""
     from memzoo.layers.base import MemoryLayer
 
-    handles = []
-    for mod in model.modules():
-        hint = SCALAR_HINTS.get(mod.name) if isinstance(mod, MemoryLayer) else None
-        if hint is None:
-            continue
+    def push(m, args):
+        mode.hints.append((m.name, m.meta_scalar(args[0])))
 
-        def push(m, args, hint=hint):
-            mode.hints.append((m.name, hint(m, args[0])))
+    def pop(m, args, out):
+        mode.hints.pop()  # returns None: the layer's output stays as it is
 
-        def pop(m, args, out):
-            mode.hints.pop()  # returns None: the layer's output stays as it is
-
-        handles += [mod.register_forward_pre_hook(push), mod.register_forward_hook(pop)]
+    handles = [h for m in model.modules() if isinstance(m, MemoryLayer)
+               for h in (m.register_forward_pre_hook(push), m.register_forward_hook(pop))]
     try:
         yield
     finally:

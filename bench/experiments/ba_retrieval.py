@@ -5,9 +5,9 @@ Trains :class:`memzoo.layers.ba.FastWeightsRNN` on ``k1 v1 … kn vn ? ? q`` -> 
 ``--eval-every`` steps, prints the accuracy curve (step, minutes, accuracy), and stops at the
 target accuracy or the time budget, whichever comes first::
 
-    python -m memzoo.bench.ba_retrieval --n-pairs 4 --activation tanh --minutes 15
-    python -m memzoo.bench.ba_retrieval --sweep --minutes 3          # n_pairs = 1..8
-    python -m memzoo.bench.ba_retrieval --n-pairs 4 --json out.json  # the result as JSON
+    python -m memzoo.bench.experiments.ba_retrieval --n-pairs 4 --activation tanh --minutes 15
+    python -m memzoo.bench.experiments.ba_retrieval --sweep --minutes 3          # n_pairs = 1..8
+    python -m memzoo.bench.experiments.ba_retrieval --n-pairs 4 --json out.json  # the result as JSON
 
 Defaults: R = 50 hidden units, S = 1 inner step, λ = 0.95, η = 0.5, W = 0.05·I, LayerNorm,
 Adam lr 1e-3, batch 128 (Sec. 4.1's setting, with Adam). The goal: >= 98% at n_pairs = 4 in
@@ -32,7 +32,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from memzoo.data.assoc_retrieval import DIGIT_OFFSET, VOCAB_SIZE, AssocBatch, eval_set, make_batch
 from memzoo.layers.ba import ACTIVATIONS, FastWeightsRNN
+from memzoo.train import make_step
 
 
 @dataclass
@@ -112,6 +113,7 @@ def train_retrieval(cfg: RetrievalConfig, progress: bool = True) -> RetrievalRes
         VOCAB_SIZE, cfg.hidden_size, cfg.inner_steps, cfg.decay, cfg.eta, cfg.activation, cfg.w_init
     )
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    train_step = make_step(model, opt, cfg.grad_clip, loss_fn=lambda m, x, y: F.cross_entropy(m(x), y))
     gen = torch.Generator().manual_seed(cfg.seed)
     held_out = eval_set(cfg.eval_size, cfg.n_pairs, cfg.eval_seed, trailing_read=cfg.trailing_read)
     budget = cfg.minutes * 60 if cfg.minutes > 0 else math.inf
@@ -150,16 +152,10 @@ def train_retrieval(cfg: RetrievalConfig, progress: bool = True) -> RetrievalRes
             break
         t0 = time.perf_counter()
         batch = make_batch(cfg.batch_size, cfg.n_pairs, gen, trailing_read=cfg.trailing_read)
-        loss = F.cross_entropy(model(batch.tokens), batch.answer)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        li = train_step([(batch.tokens, batch.answer)])
         dt = time.perf_counter() - t0
         train_s += dt
         step += 1
-        li = loss.item()
         loss_avg = li if math.isnan(loss_avg) else 0.98 * loss_avg + 0.02 * li
         bar.update(1 if by_steps else min(dt, max(0.0, bar.total - bar.n)))
         if step % cfg.eval_every == 0 or train_s >= budget or (max_steps is not None and step >= max_steps):
@@ -200,28 +196,24 @@ def _parse_pairs(spec: str) -> list[int]:
     return out
 
 
+# the command line: one flag per RetrievalConfig field, with these help texts and short forms
+_HELP = {"hidden_size": "R", "inner_steps": "S", "decay": "λ", "eta": "η", "w_init": "W = w_init · I",
+         "trailing_read": "append a '?' after the query", "grad_clip": "0 = off",
+         "minutes": "training-time budget per run", "max_steps": "0 = no step limit"}
+_SHORT = {"hidden_size": "-R", "inner_steps": "-S"}
+
+
 def main(argv: list[str] | None = None) -> list[RetrievalResult]:
     d = RetrievalConfig()
-    p = argparse.ArgumentParser(prog="python -m memzoo.bench.ba_retrieval", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m memzoo.bench.experiments.ba_retrieval", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--n-pairs", type=int, default=d.n_pairs)
-    p.add_argument("--activation", choices=list(ACTIVATIONS), default=d.activation)
-    p.add_argument("--hidden-size", "-R", type=int, default=d.hidden_size)
-    p.add_argument("--inner-steps", "-S", type=int, default=d.inner_steps)
-    p.add_argument("--decay", type=float, default=d.decay, help="λ")
-    p.add_argument("--eta", type=float, default=d.eta, help="η")
-    p.add_argument("--w-init", type=float, default=d.w_init, help="W = w_init · I")
-    p.add_argument("--trailing-read", action="store_true", help="append a '?' after the query")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 = off")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--minutes", type=float, default=d.minutes, help="training-time budget per run")
-    p.add_argument("--max-steps", type=int, default=d.max_steps, help="0 = no step limit")
-    p.add_argument("--target", type=float, default=d.target)
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--eval-size", type=int, default=d.eval_size)
-    p.add_argument("--eval-seed", type=int, default=d.eval_seed)
+    for f in fields(d):  # a flag per RetrievalConfig field: --n-pairs, --hidden-size (-R), ...
+        flags = ["--" + f.name.replace("_", "-"), *([_SHORT[f.name]] if f.name in _SHORT else [])]
+        if isinstance(f.default, bool):
+            p.add_argument(*flags, action="store_true", help=_HELP.get(f.name))
+        else:
+            p.add_argument(*flags, type=type(f.default), default=f.default, help=_HELP.get(f.name),
+                           choices=list(ACTIVATIONS) if f.name == "activation" else None)
     p.add_argument("--sweep", nargs="?", const="1-8", default=None, metavar="PAIRS",
                    help="run several n_pairs (e.g. '1-8', '2,4,6'; bare --sweep = 1-8), each with the full budget")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")

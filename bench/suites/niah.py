@@ -44,7 +44,7 @@ tried (the baseline and FwPKM with train_mix 0.3, the baseline even with only ne
 answer at chance (exact match 0, answer NLL ~ ln 10), so there ``answer_nll`` and
 ``digit_accuracy`` are the numbers to compare and exact match needs a longer-trained LM. The 128K-token check (not in the default run)::
 
-    python -m memzoo.bench.niah --layers baseline,fwpkm --lengths 131072 --samples 1 --untrained
+    python -m memzoo.bench.suites.niah --layers baseline,fwpkm --lengths 131072 --samples 1 --untrained
 """
 
 from __future__ import annotations
@@ -172,13 +172,11 @@ def evaluate_niah(
     tokenizer,
     s: Settings,
     device: str = "cpu",
-    progress: bool = False,
-    desc: str = "niah",
+    on_sample=None,
 ) -> list[dict]:
     """n-iter NIAH of `model` on haystacks from `texts` (held-out text). Returns one
-    ``{"setting": {length, n_iter}, "metrics": {...}, "wall_s"}`` per (length, n_iter)."""
-    from tqdm.auto import tqdm
-
+    ``{"setting": {length, n_iter}, "metrics": {...}, "wall_s"}`` per (length, n_iter).
+    `on_sample(length)` is called after each sample (its haystack length)."""
     source = texts if isinstance(texts, TextSource) else TextSource(texts, tokenizer)
     mems = model.memories()
     for m in mems:
@@ -195,7 +193,7 @@ def evaluate_niah(
             digits = {n: [] for n in s.iters}
             nll = {n: [] for n in s.iters}
             tokens, t0 = 0, time.time()
-            for smp in tqdm(samples, desc=f"{desc} {length}", disable=not progress, leave=False):
+            for smp in samples:
                 model.load_memory_state(trained)
                 logits = read_and_ask(model, smp, s.iters, s.piece, s.stretch_chunk, device)
                 tokens += max(s.iters) * length + len(s.iters) * (smp.question.numel() + smp.answer.numel() - 1)
@@ -204,6 +202,8 @@ def evaluate_niah(
                     hits[n].append(bool(ok.all()))
                     digits[n].append(ok.float().mean().item())
                     nll[n].append(torch.nn.functional.cross_entropy(lg.cpu(), smp.answer).item())
+                if on_sample is not None:
+                    on_sample(length)
             wall = time.time() - t0
             depths = [min(int(smp.depth * s.depth_buckets), s.depth_buckets - 1) for smp in samples]
             for n in s.iters:
@@ -234,6 +234,15 @@ def eval_texts(corpus: str, seed: int) -> list[str]:
     return list(split_documents(load_corpus(corpus), seed=seed)["validation"]["text"])
 
 
+USES_LM = True  # evaluates the shared LM of memzoo.bench.lm
+
+
+def work(ctx: Context, layer: str) -> int:
+    """Units of work for the progress bar: the samples of one layer (every length)."""
+    s = ctx.preset.settings(NAME, Settings)
+    return len(s.lengths) * s.samples
+
+
 def run(ctx: Context, layers: list[str]) -> list[dict]:
     from memzoo.bench.lm import shared_lm
     from memzoo.data import get_tokenizer
@@ -248,7 +257,10 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
         if key not in sources:
             sources[key] = TextSource(eval_texts(tc["corpus"], tc["seed"]), tok)
         config = {"lm": info["config"], "niah": asdict(s)}
-        for r in evaluate_niah(model, sources[key], tok, s, ctx.device, ctx.progress, desc=f"niah {layer}"):
+        def on_sample(length: int, layer=layer) -> None:
+            ctx.advance(1, f"niah {layer} {length} tokens")
+
+        for r in evaluate_niah(model, sources[key], tok, s, ctx.device, on_sample):
             r["metrics"].update(lm_val_loss=info["val_loss"], lm_steps=info["steps"], params=info["params"])
             rows.append(ctx.record(NAME, layer, r["setting"], r["metrics"], config, r["wall_s"]))
     return rows
@@ -383,11 +395,13 @@ def main(argv=None) -> None:
     process this is called from, so run one layer per process to read its own peak RSS."""
     import json
 
+    from tqdm.auto import tqdm
+
     from memzoo.backbone.model import HybridLM
     from memzoo.bench.common import check_layers, lm_train_config, load_preset, model_config
     from memzoo.data import get_tokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m memzoo.bench.niah", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m memzoo.bench.suites.niah", description=main.__doc__)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--layers", default="baseline", help="comma-separated; 'baseline' = the backbone alone")
     ap.add_argument("--lengths", default=None, help="comma-separated haystack lengths in tokens (default: the preset's)")
@@ -418,10 +432,13 @@ def main(argv=None) -> None:
             from memzoo.bench.common import Context, Recorder
             from memzoo.bench.lm import shared_lm
 
-            ctx = Context(preset, a.seed, Recorder("/dev/null", preset.name, a.seed), Path("runs") / "bench" / preset.name,
-                          a.device, True)
-            model, _ = shared_lm(ctx, layer)
-        for r in evaluate_niah(model, source, tok, s, a.device, progress=True, desc=f"niah {layer}"):
+            with tqdm(desc=f"lm {layer}", unit="step") as bar:  # trained unless cached
+                ctx = Context(preset, a.seed, Recorder("/dev/null", preset.name, a.seed),
+                              Path("runs") / "bench" / preset.name, a.device, True, lambda n, doing: bar.update(n))
+                model, _ = shared_lm(ctx, layer)
+        with tqdm(total=len(s.lengths) * s.samples, desc=f"niah {layer}", unit="sample") as bar:
+            rows = evaluate_niah(model, source, tok, s, a.device, lambda length: bar.update(1))
+        for r in rows:
             m = r["metrics"]
             print(json.dumps({"layer": layer, **r["setting"], "accuracy": m["accuracy"],
                               "digit_accuracy": round(m["digit_accuracy"], 3),

@@ -7,8 +7,9 @@ one training step of `batch` × `seq_len` tokens counted two ways on the meta de
 (:mod:`memzoo.ops.flops`: the Table-2 accounting and the full count), and, where measured, the
 throughput of real training steps (forward, backward, AdamW) on the machine it runs on:
 samples/s, tokens/s, achieved FLOP/s (full count / step time) and that as a fraction of the
-machine's measured dense-matmul peak (fp32 on CPU, bf16 on CUDA, where steps run under bf16
-autocast as the paper trains). At the paper preset throughput is measured on CUDA only (8 × 4096
+machine's measured dense-matmul peak (fp32 on CPU, bf16 on CUDA). The timed step is memzoo
+train's own (`memzoo.train.make_step`) in the LM config's `train.precision` (auto: bf16 autocast
+on CUDA, as the paper trains, fp32 on CPU). At the paper preset throughput is measured on CUDA only (8 × 4096
 tokens of a 500 M-parameter model is no CPU job); on CPU the paper rows are counted only.
 
     memzoo bench --suite cost --layers fwpkm,mom,lact          # tiny: 8 × 256 tokens on this CPU
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 from memzoo.bench.common import BASELINE, Context, device_name, lm_train_config, model_config, save_png
+from memzoo.timing import time_fn
+from memzoo.train import resolve_precision
 
 NAME = "cost"
 
@@ -57,9 +59,8 @@ class Settings:
     batch: int = 8  # sequences per training step (Table 2: 8)
     seq_len: int = 256  # tokens per sequence (Table 2: 4096)
     warmup: int = 1  # untimed training steps before the timed ones
-    steps: int = 3  # timed training steps (forward, backward, AdamW)
+    steps: int = 3  # about this many timed training steps (memzoo.timing.time_fn)
     cpu_throughput: bool = True  # time steps on CPU too (off for the paper preset: count only)
-    amp: bool = True  # bf16 autocast on CUDA (the paper trains in bf16); CPU steps run in fp32
     configs: list = field(default_factory=list)  # shipped configs with `paper:` figures (Table 2's rows)
 
     def __post_init__(self):
@@ -83,60 +84,31 @@ def matmul_peak(device: str = "cpu", threads: int = 0, n: int | None = None, rep
     dt = torch.bfloat16 if cuda else torch.float32
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(device, dt) for _ in range(2))
-    best = math.inf
-    for i in range(repeats + 1):
-        _sync(device)
-        t = time.perf_counter()
-        a @ b
-        _sync(device)
-        if i:  # the first call warms up (allocation, kernel choice)
-            best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
+    return 2 * n**3 / time_fn(lambda: a @ b, warmup=1, reps=repeats, device=device).min
 
 
 def time_training_step(mc, tc, batch: int, seq_len: int, device: str, warmup: int, steps: int,
-                       amp: bool = True, seed: int = 0) -> dict:
-    """Seconds per training step (forward + backward of the LM loss, gradient clipping, AdamW:
-    what memzoo.train does per micro-batch) of a fresh model on random tokens, averaged over
-    `steps` steps after `warmup` untimed ones; with the peak memory on CUDA."""
+                       precision: str = "fp32", seed: int = 0) -> dict:
+    """Seconds per training step: memzoo train's step (`memzoo.train.make_step`: forward and
+    backward of the LM loss, gradient clipping, AdamW) of a fresh model on random tokens, the
+    mean of about `steps` steps after `warmup` untimed ones (`memzoo.timing.time_fn`); with the
+    peak memory on CUDA."""
     from memzoo.backbone.model import HybridLM
-    from memzoo.train import param_groups
+    from memzoo.train import make_step, param_groups
 
     torch.manual_seed(seed)
     model = HybridLM(mc).to(device).train()
     opt = torch.optim.AdamW(param_groups(model, tc), lr=tc.lr, betas=tuple(tc.betas))
     gen = torch.Generator().manual_seed(seed)
     x, y = (torch.randint(0, mc.vocab_size, (batch, seq_len), generator=gen).to(device) for _ in range(2))
+    train_step = make_step(model, opt, tc.grad_clip, precision)
     cuda = device.startswith("cuda")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and amp)
-
-    def step():
-        with autocast:
-            loss = model(x, targets=y).loss
-        loss.backward()
-        if tc.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(warmup):
-        step()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _sync(device)
-    out = {"step_s": (time.perf_counter() - t) / steps}
+    out = {"step_s": time_fn(lambda: train_step([(x, y)], tc.lr), warmup, steps, device).mean}
     if cuda:
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-        del model, opt
+        del model, opt, train_step
         torch.cuda.empty_cache()  # the next model starts from an empty cache
     return out
 
@@ -151,7 +123,7 @@ def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper:
     m = {"params": count_params(mc), **fl.as_dict(), "step_shape": f"{s.batch}x{s.seq_len}", "tokens": fl.tokens}
     if with_time:
         try:
-            t = time_training_step(mc, tc, s.batch, s.seq_len, device, s.warmup, s.steps, s.amp, seed)
+            t = time_training_step(mc, tc, s.batch, s.seq_len, device, s.warmup, s.steps, resolve_precision(tc.precision, device), seed)
         except torch.OutOfMemoryError:
             t = None
         if t is None:  # recorded as such; the counts still stand
@@ -168,7 +140,7 @@ def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper:
                 peak_flops_per_s=peak,
                 mfu=fl.total / t["step_s"] / peak,
                 device=device_name(device),
-                amp=bool(device.startswith("cuda") and s.amp),
+                precision=resolve_precision(tc.precision, device),
             )
             if "peak_mem_gb" in t:
                 m["peak_mem_gb"] = t["peak_mem_gb"]
@@ -184,12 +156,15 @@ def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper:
     return m
 
 
+def work(ctx: Context, layer: str) -> int:
+    """Units of work for the progress bar: the models measured (the baseline's run adds `configs`)."""
+    return 1 + (len(ctx.preset.settings(NAME, Settings).configs) if layer == BASELINE else 0)
+
+
 def run(ctx: Context, layers: list[str]) -> list[dict]:
     """One row per layer on the preset's backbone (setting: the step shape), then, with the
     baseline (the harness calls suites layer by layer), one per config in `configs`
     (setting: the config name and the step shape)."""
-    from tqdm.auto import tqdm
-
     from memzoo.config import load_config
 
     s = ctx.preset.settings(NAME, Settings)
@@ -202,7 +177,7 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
     jobs = [(layer, None) for layer in layers] + [(c, load_config(c)) for c in configs]
     shape = {"batch": s.batch, "seq_len": s.seq_len}
     rows = []
-    for name, rc in tqdm(jobs, desc="cost", disable=not ctx.progress):
+    for name, rc in jobs:
         t0 = time.time()
         if rc is None:
             mc, tc, setting, paper = model_config(ctx.preset, name), lm_train_config(ctx.preset), dict(shape), None
@@ -212,6 +187,7 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
         config = {"model": mc.to_dict(), "settings": dataclasses.asdict(s), "train": tc.to_dict(),
                   "device": ctx.device, "config": None if rc is None else name}
         rows.append(ctx.record(NAME, name, setting, metrics, config, time.time() - t0))
+        ctx.advance(1, f"cost {name}")
     return rows
 
 

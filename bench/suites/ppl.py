@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from memzoo.bench.common import Context, save_png
 
@@ -49,7 +48,7 @@ class Settings:
     reset_at_document: bool = True  # carry mode: fast weights back to their start at each document
 
 
-def eval_corpus(model, docs: list[torch.Tensor], s: Settings, mode: str, device: str, progress: bool = False) -> dict:
+def eval_corpus(model, docs: list[torch.Tensor], s: Settings, mode: str, device: str) -> dict:
     """Mean loss over `docs` in order, batch 1, sequences of `s.seq_len`, in `mode`."""
     from memzoo.data import sequential_chunks
 
@@ -65,7 +64,7 @@ def eval_corpus(model, docs: list[torch.Tensor], s: Settings, mode: str, device:
         n += x.numel()
     nll, count, gates, t0 = 0.0, 0, {}, time.time()
     with torch.no_grad():
-        for x, y, first in tqdm(chunks, desc=f"ppl {mode}", disable=not progress, leave=False):
+        for x, y, first in chunks:
             if mode == "reset" or (first and s.reset_at_document):
                 model.load_memory_state(start)
             x, y = x[None].to(device), y[None].to(device)
@@ -85,6 +84,14 @@ def eval_corpus(model, docs: list[torch.Tensor], s: Settings, mode: str, device:
     return out
 
 
+USES_LM = True  # evaluates the shared LM of memzoo.bench.lm
+
+
+def work(ctx: Context, layer: str) -> int:
+    """Units of work for the progress bar: the (corpus, mode) cells of one layer."""
+    return len(ctx.preset.settings(NAME, Settings).corpora) * len(MODES)
+
+
 def run(ctx: Context, layers: list[str]) -> list[dict]:
     from memzoo.bench.lm import shared_lm
     from memzoo.data import get_tokenizer, load_corpus, split_documents, tokenize_corpus
@@ -101,14 +108,16 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
                 ds = split_documents(ds, seed=tc["seed"])["validation"]
             docs = tokenize_corpus(ds, tok)
             for mode in MODES:
-                t0 = time.time()
-                m = eval_corpus(model, docs, s, mode, ctx.device, ctx.progress)
+                t0, doing = time.time(), f"ppl {layer} {corpus} {mode}"
+                ctx.advance(0, doing)
+                m = eval_corpus(model, docs, s, mode, ctx.device)
                 if tok.name == "byte":
                     m["bits_per_byte"] = m["loss"] / math.log(2)
                 m.update(lm_train_loss=info["train_loss"], lm_val_loss=info["val_loss"], lm_steps=info["steps"],
                          lm_train_wall_s=info["train_wall_s"], params=info["params"])
                 config = {"lm": info["config"], "ppl": asdict(s)}
                 rows.append(ctx.record(NAME, layer, {"corpus": corpus, "mode": mode}, m, config, time.time() - t0))
+                ctx.advance(1, doing)
     return rows
 
 

@@ -8,20 +8,19 @@ persistent ones (FwPKM, FwMLP as the paper trains them) carry their memory on, a
 does. FWL also gets next-token targets and an LM head (d_model -> the preset's vocabulary),
 since its write is the gradient of each position's loss.
 
-    pytest bench/bench_layers.py --benchmark-enable      # pytest-benchmark table
-    python -m memzoo.bench.bench_layers                  # median ms per call and tokens/s
+    pytest bench/benchmarks/bench_layers.py --benchmark-enable      # pytest-benchmark table
+    python -m memzoo.bench.benchmarks.bench_layers                  # median ms per call and tokens/s
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-from memzoo.bench.common import load_preset
+from memzoo.bench.common import device_name, load_preset
 from memzoo.layers.base import build_layer
 from memzoo.registry import layer_names
+from memzoo.timing import time_fn
 
 D_MODEL, BATCH, TOKENS = 128, 4, 256
 
@@ -60,23 +59,13 @@ def test_layer_forward_write(benchmark, name):
 
 def median_ms(name: str, device: str = "cpu", repeats: int = 5) -> float:
     _, step = make(name, device)
-    step()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return 1e3 * sorted(times)[len(times) // 2]
+    return 1e3 * time_fn(step, warmup=1, reps=repeats, device=device).median
 
 
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"forward + write, d_model {D_MODEL}, {BATCH} x {TOKENS} tokens, tiny preset options, median of 5, on {where}")
+    print(f"forward + write, d_model {D_MODEL}, {BATCH} x {TOKENS} tokens, tiny preset options, median of ~5 runs, "
+          f"on {device_name(device)}")
     for name in layer_names():
         ms = median_ms(name, device)
         print(f"  {name:<8} {ms:9.2f} ms   {BATCH * TOKENS / ms * 1e3:>10,.0f} tokens/s")

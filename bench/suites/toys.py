@@ -63,7 +63,7 @@ from memzoo.bench.common import BASELINE, Context, save_png
 from memzoo.config import ConfigError, ModelConfig
 from memzoo.data import assoc_retrieval as ar
 from memzoo.data import mqar
-from memzoo.train import lr_at, param_groups
+from memzoo.train import lr_at, make_step, param_groups
 
 NAME = "toys"
 TASKS = ("mqar", "ar")
@@ -79,7 +79,15 @@ so gaps of a few points are noise; chunk-level layers update every few tokens (s
 
 
 def _short_chunks() -> dict:
-    return {name: {"chunk_size": 4} for name in ("fwpkm", "fwmlp", "lact", "fwl")}
+    """Update chunks of 4 tokens for every chunk-level read-then-write layer: each registered
+    layer whose constructor takes a `chunk_size` and that does not read its own token's write
+    (not `inclusive`)."""
+    import inspect
+
+    from memzoo.registry import get_layer, layer_names
+
+    return {n: {"chunk_size": 4} for n in layer_names()
+            if "chunk_size" in inspect.signature(get_layer(n)).parameters and not get_layer(n).inclusive}
 
 
 @dataclass
@@ -208,33 +216,27 @@ class Task:
 
 
 def train_one(
-    mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, device: str = "cpu", bar=None
+    mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, device: str = "cpu", on_step=None
 ) -> tuple[HybridLM, float]:
-    """AdamW, warmup then cosine, `s.steps` steps from seed `seed` (the same initialisation and
-    batches for every layer and lr). Returns the model and the mean training loss of the last
-    tenth of the steps."""
+    """AdamW, warmup then cosine, `s.steps` steps of memzoo's training step from seed `seed`
+    (the same initialisation and batches for every layer and lr); `on_step()` after each step.
+    Returns the model and the mean training loss of the last tenth of the steps."""
     torch.manual_seed(seed)
     model = HybridLM(mc).to(device)
     tc = SimpleNamespace(lr=lr, min_lr=lr * s.min_lr_ratio, warmup=s.warmup, steps=s.steps, weight_decay=s.weight_decay)
     groups = param_groups(model, tc)
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
+    train_step = make_step(model, opt, s.grad_clip)
     g = torch.Generator().manual_seed(seed)
     model.train()
     tail = []
     for step in range(s.steps):
-        for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, tc) * grp["lr_scale"]
         x, y = (t.to(device) for t in task.batch(step, g))  # drawn on the CPU: the same data anywhere
-        loss = model(x, targets=y).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if s.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-        opt.step()
+        loss = train_step([(x, y)], lr_at(step, tc))
         if step >= s.steps - max(1, s.steps // 10):
-            tail.append(loss.item())
-        if bar is not None:
-            bar.update(1)
+            tail.append(loss)
+        if on_step is not None:
+            on_step()
     return model, sum(tail) / len(tail)
 
 
@@ -261,23 +263,27 @@ def _lr_key(lr: float) -> str:
     return f"{lr:g}"
 
 
+def work(ctx: Context, layer: str) -> int:
+    """Units of work for the progress bar: the training steps of one layer."""
+    s = ctx.preset.settings(NAME, Settings)
+    return len(s.tasks) * len(s.widths) * len(s.lrs) * s.steps
+
+
 def run(ctx: Context, layers: list[str]) -> list[dict]:
     """Train and evaluate every (layer, task, width, lr); record one row per (layer, task, width)."""
     s = ctx.preset.settings(NAME, Settings)
     s.check()
     tasks = {t: Task(t, s, ctx.seed) for t in s.tasks}
-    per_layer = len(tasks) * len(s.widths) * len(s.lrs) * s.steps
     rows = []
     for layer in layers:
-        bar = tqdm(total=per_layer, desc=f"toys {layer}", unit="step", disable=not ctx.progress, dynamic_ncols=True)
         for tname, task in tasks.items():
             for width in s.widths:
                 mc = toy_config(ctx.preset, layer, width, task.vocab, s)
                 t0 = time.perf_counter()
                 by_lr, best = {}, None  # best: (mean, lr, accuracy by slice, train loss, model)
                 for lr in s.lrs:
-                    bar.set_postfix(task=tname, d=width, lr=_lr_key(lr))
-                    model, loss = train_one(mc, task, lr, s, ctx.seed, ctx.device, bar)
+                    doing = f"toys {layer} {tname} d={width} lr={_lr_key(lr)}"
+                    model, loss = train_one(mc, task, lr, s, ctx.seed, ctx.device, lambda d=doing: ctx.advance(1, d))
                     acc = evaluate(model, task)
                     by_lr[lr] = mean = sum(acc.values()) / len(acc)
                     if best is None or mean > best[0]:  # ties keep the earlier (smaller) lr
@@ -306,7 +312,6 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
                 if ctx.progress:
                     tqdm.write(f"toys {layer:>8} {tname:>4} d={width:<4} acc {mean:.3f} (lr {lr:g}) "
                                f"state {metrics['state_size']}")
-        bar.close()
     return rows
 
 

@@ -5,18 +5,18 @@ more to write (only the selected rows and sub-keys change), so going from 128² 
 (64x the memory) should cost little more per token. Paper sizes otherwise: d_model 768, key and
 value dim 512, 1 head, top-8, one 512-token chunk per call (read, then write).
 
-    pytest bench/bench_fwpkm_slots.py --benchmark-enable          # pytest-benchmark table
-    python -m memzoo.bench.bench_fwpkm_slots                       # per-token times and the ratio
+    pytest bench/benchmarks/bench_fwpkm_slots.py --benchmark-enable          # pytest-benchmark table
+    python -m memzoo.bench.benchmarks.bench_fwpkm_slots                       # per-token times and the ratio
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
+from memzoo.bench.common import device_name
 from memzoo.layers.fwpkm import FwPKM
+from memzoo.timing import time_fn
 
 SLOTS = (128, 256, 512, 1024)
 CHUNK = 512
@@ -44,24 +44,12 @@ def test_fwpkm_forward_write(benchmark, n):
 
 def per_token_ms(n: int, device: str = "cpu", repeats: int = 10) -> float:
     layer, x = make(n, device)
-    for _ in range(2):
-        step(layer, x)
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        step(layer, x)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return 1e3 * sorted(times)[len(times) // 2] / CHUNK
+    return 1e3 * time_fn(lambda: step(layer, x), warmup=2, reps=repeats, device=device).median / CHUNK
 
 
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"FwPKM read+write, paper sizes, {CHUNK}-token chunk, median of 10, on {name}")
+    print(f"FwPKM read+write, paper sizes, {CHUNK}-token chunk, median of ~10 runs, on {device_name(device)}")
     res = {}
     for n in SLOTS:
         res[n] = per_token_ms(n, device)

@@ -1,0 +1,29 @@
+"""The bench's suites: the one list that the preset sections, `memzoo bench` and the leaderboard
+all read.
+
+Each suite is a module here with
+
+    NAME                      its name (the preset section holding its settings)
+    Settings                  a dataclass of those settings (unknown keys are errors)
+    run(ctx, layers)          measure, record and return rows (`ctx.advance` per unit of work)
+    work(ctx, layer)          the units of work `run` does for one layer, for the progress bar
+    tables(df), figures(df, out_dir)     the leaderboard's tables and figures of its rows
+
+and optionally ``EXPLANATION`` (a note under its leaderboard section) and ``USES_LM`` (it
+evaluates the shared language model of :mod:`memzoo.bench.lm`, trained once per layer).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# run order, cheapest first; ppl and niah share the trained LMs. The leaderboard's order too.
+NAMES = ("cost", "toys", "ppl", "niah")
+
+
+def suite(name: str) -> ModuleType:
+    """The suite module `name` (imported on first use: suites import the harness)."""
+    if name not in NAMES:
+        raise ValueError(f"unknown suite {name!r}; valid suites: {', '.join(NAMES)}")
+    return importlib.import_module(f"{__name__}.{name}")

@@ -1,0 +1,134 @@
+"""What the tests know about each memory layer, and helpers the test files share.
+
+LAYER_TESTS holds, per registered layer name, what the tests need and the layer itself does
+not (the layer classes carry nothing test-only). Every key is optional:
+
+  options      build_layer kwargs for d_model = 32: tiny sizes, and any other value that
+               differs from the layer's default, with the reason beside it.
+  iterative    True = writing the same data again improves recall (gradient-style writes): the
+               memorization property then checks that a second write lowers the error.
+  targets      for needs_targets layers: x [B, T, D] -> targets [B, T]; sliced along dim 1
+               together with x when streaming.
+  grad_exempt  fnmatch patterns of parameter names that may get an all-zero gradient from one
+               forward (say why).
+
+A layer without an entry (a user's plugin layer) is tested with its constructor defaults and
+`iterative=False`. A plugin supplies its own entries with a module-level dict in the module
+that defines the layer, in the same form:
+
+    MEMZOO_TESTS = {"mylayer": {"options": {"hidden": 16}, "iterative": True}}
+
+and runs the shared property suite with `pytest -p MODULE tests/test_layer_properties.py`
+(or MEMZOO_PLUGINS=MODULE; the module must be importable).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from memzoo.layers.base import MemoryLayer, build_layer
+from memzoo.registry import get_layer
+
+D = 32  # the d_model of LAYER_TESTS' options
+#: a tiny HybridLM backbone for the layers' in-a-model tests: two blocks, 50 tokens
+TINY_LM = dict(d_model=D, n_layers=2, vocab_size=50, ffn_dim=64, gdn_heads=2, gdn_head_dim=16,
+               attn_heads=2, attn_kv_heads=1, attn_head_dim=16, window=8)
+
+
+def _fwl_targets(x: torch.Tensor) -> torch.Tensor:
+    """Class of a token for the standalone (identity-head) FWL: the largest feature of its
+    second half, D/2 + argmax(x[..., D/2:]) (for the suite's key+value tokens: the value)."""
+    h = x.shape[-1] // 2
+    return x[..., h:].argmax(-1) + h
+
+
+LAYER_TESTS: dict[str, dict] = {
+    "ba": {"options": {"hidden_size": 32}},
+    "fwl": {
+        # tiny sizes; a large step so the fast term is far from vacuous in the fp64 checks.
+        # Not iterative: the gradients are taken at the slow weights, so writing the same data
+        # twice adds the same update twice.
+        "options": dict(expansion=2, chunk_size=4, step_size=0.05, decay=0.8),
+        "targets": _fwl_targets,
+    },
+    "fwmlp": {
+        # Tiny sizes. The paper's write (lr 0.1 on an MSE averaged over samples and features)
+        # moves a fresh MLP by under 1% of its memorisation error per write: FwMLP is by design a
+        # weak one-shot memory, and with detached writes no slow-weight gradient rewards larger
+        # updates. The suite checks the write/read mechanism, so it uses lr 1 and lets the slow
+        # weights learn through the update, as the release trains (create_graph in training). The
+        # paper's defaults are tested in tests/test_fwmlp.py.
+        "options": {"input_dim": 16, "intermediate_dim": 32, "output_dim": 16, "chunk_size": 8, "lr": 1.0,
+                    "grad_through_update": True},
+        "iterative": True,  # SGD steps on the memorisation loss: a second write corrects the error left
+    },
+    "fwpkm": {
+        # Tiny sizes. The addressing loss's pull on a key scales like 1/(chunk length) per query,
+        # so the paper's weight 10 (tuned for 512-token chunks over 512 sub-keys) swamps a
+        # 16-token write over 16 sub-keys; 1.0 (the release's) fits.
+        "options": dict(key_dim=16, value_dim=16, topk=2, n_subkeys=16, chunk_size=8, addr_loss_weight=1.0),
+        "iterative": True,  # gradient steps on the touched values (Eq. 35)
+    },
+    "lact": {
+        # 2 heads of 16, 8-token chunks, RoPE on heads of 16. The base rate is raised from 1e-3
+        # to 0.1 (an 8-token write at 1e-3 moves the weight-normalised fast weights by ~0.1%; the
+        # suite's 200-step training would first have to learn the rate up); everything else is
+        # the reference's default.
+        "options": {"num_heads": 2, "chunk_size": 8, "rope_head_dim": 16, "base_lr": 0.1},
+        # Not iterative: the dot-product loss is linear in f, so its gradient does not shrink as
+        # recall improves (W1's step η v hᵀ does not even depend on W1: a Hebbian write, as in
+        # linear attention). Writing the same pairs twice re-adds the same outer products (plus
+        # momentum) and renormalises; it corrects no error. Measured at the suite's sizes (8 pairs,
+        # these options): recall MSE 0.034 after one write, 0.061 after two (RoPE: the second copy
+        # sits at other positions); 0.0285 vs 0.0298 without RoPE.
+        "iterative": False,
+    },
+    "mom": {"options": dict(num_memories=4, topk=2, num_heads=2, head_dim=16, conv_size=4)},
+    "pkm": {
+        # 64 slots; rmsnorm queries, so forward is per token and streams
+        "options": dict(key_dim=16, value_dim=16, heads=2, topk=4, n_subkeys=8, query_norm="rmsnorm"),
+    },
+}
+
+
+def layer_test(name: str) -> dict:
+    """The test entry of a registered layer: LAYER_TESTS, then the MEMZOO_TESTS of the module that
+    defines it, over the defaults (no options, not iterative, no targets, no exemptions)."""
+    cls = get_layer(name)
+    hook = getattr(sys.modules.get(cls.__module__), "MEMZOO_TESTS", {})
+    entry = {"options": {}, "iterative": False, "targets": None, "grad_exempt": ()}
+    entry.update(LAYER_TESTS.get(cls.name, {}))
+    entry.update(hook.get(cls.name, {}))
+    return {**entry, "options": dict(entry["options"])}
+
+
+def layer_options(name: str) -> dict:
+    """build_layer kwargs of a layer at d_model = 32 for the tests (a fresh dict)."""
+    return layer_test(name)["options"]
+
+
+def perturb(layer: MemoryLayer, scale: float) -> MemoryLayer:
+    """Move every slow weight off its init by scale · N(0, 1) (zero biases, unit norms, zero-init
+    gates), so that no property holds vacuously; draws from torch's global RNG."""
+    if scale:
+        with torch.no_grad():
+            for p in layer.parameters():
+                if p.is_floating_point():
+                    p.add_(scale * torch.randn_like(p))
+    return layer
+
+
+def tiny_layer(name: str, *, seed: int = 0, dtype=torch.float64, noise: float = 0.05, d_model: int = D,
+               options: dict | None = None, **over) -> MemoryLayer:
+    """build_layer(name) seeded, with its test options (or `options`) updated by `over`, in
+    `dtype`, its slow weights perturbed by `noise`. In training mode, as built."""
+    torch.manual_seed(seed)
+    opts = layer_options(name) if options is None else dict(options)
+    return perturb(build_layer(name, d_model, **{**opts, **over}).to(dtype), noise)
+
+
+def rand_x(b: int, t: int, seed: int = 1, dtype=torch.float64) -> torch.Tensor:
+    """A seeded random input [b, t, 32]."""
+    return torch.randn(b, t, D, generator=torch.Generator().manual_seed(seed), dtype=dtype)
