@@ -75,17 +75,22 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("text, needles", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
-def test_bad_config_is_one_line_naming_the_key(tmp_path, text, needles):
-    path = tmp_path / "bad.yaml"
-    path.write_text(text)
+def _assert_one_line(load, path, needles):
+    """`load(path)` fails with one ConfigError line that starts with the file and names `needles`."""
     with pytest.raises(ConfigError) as e:
-        load_config(path)
+        load(path)
     msg = str(e.value)
     print(msg)
     assert "\n" not in msg and msg.startswith(str(path))
     for n in needles:
         assert n in msg, (n, msg)
+
+
+@pytest.mark.parametrize("text, needles", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_config_is_one_line_naming_the_key(tmp_path, text, needles):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    _assert_one_line(load_config, path, needles)
 
 
 def test_good_config_reads_numbers_in_scientific_notation(tmp_path):
@@ -125,13 +130,7 @@ def _preset(tmp_path, **changes) -> str:
 ], ids=["train-lr", "model-d_model", "layer-option", "layer-at", "layer-name"])
 def test_bad_preset_is_one_line_naming_the_key(tmp_path, changes, needles):
     path = _preset(tmp_path, **changes)
-    with pytest.raises(ConfigError) as e:
-        load_preset(path)
-    msg = str(e.value)
-    print(msg)
-    assert "\n" not in msg and msg.startswith(str(path))
-    for n in needles:
-        assert n in msg, (n, msg)
+    _assert_one_line(load_preset, path, needles)
 
 
 def test_malformed_preset_names_file_and_line(tmp_path):
