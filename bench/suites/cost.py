@@ -321,16 +321,17 @@ def figures(df, out_dir: Path) -> list[Path]:
     params = long((("params", "memzoo", 1e6), ("params_paper", "paper", 1e6)), "params (M)")
     flops = long((("flops_table2", "Table-2 style", sc), ("flops_full", "full count", sc),
                   ("flops_table2_paper", "paper (Table 2)", sc)), f"FLOPs ({u})")
-    sns.set_theme(style="whitegrid")
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, max(3.5, 0.45 * len(short) + 1.8)), sharey=True)
-    for ax, data, x, palette in ((a, params, "params (M)", ["#4C72B0", "#55A868"]),
-                                 (b, flops, f"FLOPs ({u})", ["#4C72B0", "#DD8452", "#55A868"])):
-        hues = list(dict.fromkeys(data["count"]))  # first-seen order: ours, then the paper's
-        sns.barplot(data=data, y="model", x=x, hue="count", order=short, hue_order=hues,
-                    palette=palette[: len(hues)], ax=ax)
-        ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
-    shape = _col(df, "step_shape").dropna()
-    a.set_title("parameters", pad=20)
-    b.set_title(f"FLOPs of one training step ({shape.iloc[0] if len(shape) else ''} tokens)", pad=20)
-    fig.tight_layout()
-    return [save_png(fig, Path(out_dir) / "cost.png")]
+    with matplotlib.rc_context():  # the theme stays with this figure: the others keep theirs
+        sns.set_theme(style="whitegrid")
+        fig, (a, b) = plt.subplots(1, 2, figsize=(12, max(3.5, 0.45 * len(short) + 1.8)), sharey=True)
+        for ax, data, x, palette in ((a, params, "params (M)", ["#4C72B0", "#55A868"]),
+                                     (b, flops, f"FLOPs ({u})", ["#4C72B0", "#DD8452", "#55A868"])):
+            hues = list(dict.fromkeys(data["count"]))  # first-seen order: ours, then the paper's
+            sns.barplot(data=data, y="model", x=x, hue="count", order=short, hue_order=hues,
+                        palette=palette[: len(hues)], ax=ax)
+            ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
+        shape = _col(df, "step_shape").dropna()
+        a.set_title("parameters", pad=20)
+        b.set_title(f"FLOPs of one training step ({shape.iloc[0] if len(shape) else ''} tokens)", pad=20)
+        fig.tight_layout()
+        return [save_png(fig, Path(out_dir) / "cost.png")]
