@@ -41,7 +41,6 @@ from memzoo.config import (
 )
 
 BASELINE = "baseline"  # the backbone with no memory layer
-_RENAMED = {"backbone": "model", "lm": "train"}  # preset sections before presets and run configs shared them
 RESULTS = "results.jsonl"
 
 
@@ -81,7 +80,7 @@ def load_preset(name: str) -> Preset:
         path = config_dir() / "bench" / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"no bench preset {name!r}; shipped presets: {', '.join(preset_names())}, or give a YAML path")
-    data, bases = read_config(path, ("model", "layers", "train", *SUITES), renamed=_RENAMED)
+    data, bases = read_config(path, ("model", "layers", "train", *SUITES))
     try:  # check the backbone, the layers and the LM now, not at the first model
         backbone = ModelConfig.from_dict(data.get("model"), "model")
         TrainConfig.from_dict(data.get("train"), "train")
@@ -304,6 +303,11 @@ class Context:
 
 
 # ---- rendering helpers shared by the suites' tables and figures -------------------------------
+
+
+def layer_order(names) -> list[str]:
+    """Layer names for tables and figures: the baseline first, then the layers by name."""
+    return sorted(set(names), key=lambda n: (n != BASELINE, n))
 
 
 def save_png(fig, path: str | Path) -> Path:

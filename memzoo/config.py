@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
-import json
 import math
 import re
 import typing
@@ -41,29 +39,22 @@ class ConfigError(ValueError):
     pass
 
 
-def _strict(cls, d: dict, where: str):
-    if d is None:
-        d = {}
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(d).__name__}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    for k in d:
-        if k not in names:
-            close = difflib.get_close_matches(k, names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{where}: unknown key {k!r}{hint}; valid keys: {', '.join(names)}")
-    return cls(**d)
+def _did_you_mean(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(str(name), valid, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def parse_strict(cls, d: dict | None, where: str):
     """Build dataclass `cls` from mapping `d`; an unknown key is an error naming the valid
     ones (and the closest match). `where` prefixes the message."""
-    return _strict(cls, d, where)
-
-
-def _did_you_mean(name: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(str(name), valid, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    d = {} if d is None else d
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(d).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    for k in d:
+        if k not in names:
+            raise ConfigError(f"{where}: unknown key {k!r}{_did_you_mean(k, names)}; valid keys: {', '.join(names)}")
+    return cls(**d)
 
 
 # ---- the typed-field checker -----------------------------------------------------------------
@@ -171,7 +162,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None, where: str = "model") -> "ModelConfig":
-        cfg = _strict(cls, d, where)
+        cfg = parse_strict(cls, d, where)
         cfg.validate(where)
         return cfg
 
@@ -234,7 +225,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict | None, where: str = "train") -> "TrainConfig":
-        cfg = _strict(cls, d, where)
+        cfg = parse_strict(cls, d, where)
         cfg.validate(where)
         return cfg
 
@@ -286,10 +277,6 @@ class RunConfig:
     def to_dict(self) -> dict:
         return {"model": self.model.to_dict(), "train": self.train.to_dict()}
 
-    def hash(self) -> str:
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:12]
-
 
 def config_dir() -> Path:
     import memzoo.zoo_configs as zc
@@ -309,10 +296,9 @@ def resolve_config_path(name: str | Path) -> Path:
     raise ConfigError(f"no config {str(name)!r}: not a file, and not one of the shipped configs: {', '.join(known)}")
 
 
-def read_yaml(path: Path, sections: tuple[str, ...], renamed: dict | None = None) -> dict:
-    """The mapping in YAML file `path`, whose keys must be among `sections` (a key of `renamed`,
-    {old: new}, is an error saying to rename it); a syntax error is one ConfigError line naming
-    the file and line."""
+def read_yaml(path: Path, sections: tuple[str, ...]) -> dict:
+    """The mapping in YAML file `path`, whose keys must be among `sections`; a syntax error is
+    one ConfigError line naming the file and line."""
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -324,9 +310,6 @@ def read_yaml(path: Path, sections: tuple[str, ...], renamed: dict | None = None
         raise ConfigError(f"{path}: expected a mapping with the sections {', '.join(sections)}, "
                           f"got {type(data).__name__}")
     bad = [k for k in data if k not in sections]
-    if bad and bad[0] in (renamed or {}):
-        others = "".join(f" (and {o!r} is {n!r})" for o, n in renamed.items() if o != bad[0])
-        raise ConfigError(f"{path}: section {bad[0]!r} is now {renamed[bad[0]]!r}{others}: rename it")
     if bad:
         raise ConfigError(f"{path}: unknown section {bad[0]!r}{_did_you_mean(bad[0], list(sections))}; "
                           f"valid sections: {', '.join(sections)}")
@@ -345,11 +328,10 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def read_config(path: Path, sections: tuple[str, ...], renamed: dict | None = None,
-                _seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path]]:
+def read_config(path: Path, sections: tuple[str, ...], _seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path]]:
     """The sections of YAML file `path` merged over those of its `base:` (and its base's...),
     and the base files used, nearest first. A missing base or a cycle is one ConfigError line."""
-    data = read_yaml(path, (*sections, "base"), renamed)
+    data = read_yaml(path, (*sections, "base"))
     if "base" not in data:
         return data, []
     name = data.pop("base")
@@ -361,7 +343,7 @@ def read_config(path: Path, sections: tuple[str, ...], renamed: dict | None = No
         raise ConfigError(f"{path}: base cycle: {' -> '.join(q.name for q in (*seen, base))}")
     if not base.is_file():
         raise ConfigError(f"{path}: base {name!r}: no such file {base}")
-    under, bases = read_config(base, sections, renamed, seen)
+    under, bases = read_config(base, sections, seen)
     for k, v in under.items():
         if v is not None and not isinstance(v, dict):
             raise ConfigError(f"{base}: {k}: expected a mapping, got {type(v).__name__}")

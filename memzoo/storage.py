@@ -43,12 +43,6 @@ def write_text(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
-def write_bytes(path: str | Path, data: bytes) -> Path:
-    with atomic_open(path, "wb") as f:
-        f.write(data)
-    return Path(path)
-
-
 def torch_save(obj, path: str | Path) -> Path:
     import torch
 

@@ -206,39 +206,23 @@ def _unit(df) -> tuple[str, float]:
     return ("T", 1e12) if top >= 1e12 else ("G", 1e9)
 
 
-def _is_config(df):
-    import pandas as pd
-
-    return df["setting.config"].notna() if "setting.config" in df else pd.Series(False, index=df.index)
-
-
 def _sorted(df):
     """Rows in a fixed order: baseline first, then layers by name; Table 2's configs in the
     paper's order (backbone, then plain, PKM, FwPKM, mixed); then by step shape."""
-    keys = [_order_key(n) for n in df["layer"]]
-    shape = [(b, t) for b, t in zip(_setting(df, "batch"), _setting(df, "seq_len"))]
-    order = sorted(range(len(df)), key=lambda i: (keys[i], shape[i]))
-    return df.iloc[order]
-
-
-def _setting(df, key):
-    c = f"setting.{key}"
-    return list(df[c].fillna(0)) if c in df else [0] * len(df)
+    shape = [df[f"setting.{k}"].fillna(0).tolist() if f"setting.{k}" in df else [0] * len(df) for k in ("batch", "seq_len")]
+    keys = [(_order_key(n), b, t) for n, b, t in zip(df["layer"], *shape)]
+    return df.iloc[sorted(range(len(df)), key=keys.__getitem__)]
 
 
 def _order_key(name: str) -> tuple:
     if name == BASELINE:
         return (0, "", 0)
     stem = name.split("/")[-1]
-    for i, tail in enumerate(("-pkm2-6-10", "-fwpkm2-6-10", "-pkm6-fwpkm2-10")):
-        if stem.endswith(tail):
-            return (1, _backbone_key(stem[: -len(tail)]), i + 1)
-    return (1, _backbone_key(stem), 0)
-
-
-def _backbone_key(stem: str) -> str:
+    tails = ("-pkm2-6-10", "-fwpkm2-6-10", "-pkm6-fwpkm2-10")
+    i = next((i + 1 for i, tail in enumerate(tails) if stem.endswith(tail)), 0)
+    stem = stem[: -len(tails[i - 1])] if i else stem
     rank = {"gdn": "0", "gdn-swa": "1", "gdn-fa": "2", "fa": "3"}  # Table 2's order
-    return rank.get(stem, "9" + stem)
+    return (1, rank.get(stem, "9" + stem), i)
 
 
 def _table2(df):
@@ -290,8 +274,10 @@ def _layers(df):
 
 def tables(df) -> dict:
     """The Table 2 comparison (configs beside the paper) and the per-layer cost table."""
+    import pandas as pd
+
     out = {}
-    cfg = _is_config(df)
+    cfg = df.get("setting.config", pd.Series(None, index=df.index, dtype=object)).notna()
     if cfg.any():
         out["Table 2 beside the paper: parameters, FLOPs of one training step, throughput"] = _table2(df[cfg])
     if (~cfg).any():

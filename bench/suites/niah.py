@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from memzoo.bench.common import BASELINE, Context, save_png
+from memzoo.bench.common import BASELINE, Context, layer_order, save_png
 from memzoo.data.niah import NiahSample, TextSource, depth_bins, depth_label, niah_samples
 
 NAME = "niah"
@@ -269,11 +269,6 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
 # ---- leaderboard ------------------------------------------------------------------------------
 
 
-def _layer_order(layers) -> list[str]:
-    names = sorted(set(layers))
-    return ([BASELINE] if BASELINE in names else []) + [n for n in names if n != BASELINE]
-
-
 def _len_label(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
@@ -291,7 +286,7 @@ def tables(df) -> dict:
         f"{_len_label(l)} x{n}"
         for l, n in sorted({(int(l), int(n)) for l, n in zip(df["setting.length"], df["setting.n_iter"])})
     ]
-    order = _layer_order(df["layer"])
+    order = layer_order(df["layer"])
     out = {}
     for title, metric, scale, digits in (
         ("NIAH exact-match accuracy (%), length x n-iter", "metrics.accuracy", 100, 1),
@@ -329,7 +324,7 @@ def figures(df, out_dir: Path) -> list[Path]:
     if df.empty:
         return []
     out_dir = Path(out_dir)
-    order = _layer_order(df["layer"])
+    order = layer_order(df["layer"])
     lengths = sorted({int(v) for v in df["setting.length"]})
     iters = sorted({int(v) for v in df["setting.n_iter"]})
     acc = {

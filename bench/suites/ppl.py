@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from memzoo.bench.common import Context, save_png
+from memzoo.bench.common import Context, layer_order, save_png
 
 NAME = "ppl"
 MODES = ("carry", "reset")
@@ -124,15 +124,11 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
 # ---- leaderboard ------------------------------------------------------------------------------
 
 
-def _order(layers) -> list[str]:
-    return sorted(set(layers), key=lambda x: (x != "baseline", x))
-
-
 def tables(df) -> dict:
     import pandas as pd
 
     t = df.pivot_table(index="layer", columns=["setting.corpus", "setting.mode"], values="metrics.loss", aggfunc="first")
-    t = t.reindex(_order(t.index))
+    t = t.reindex(layer_order(t.index))
     out = pd.DataFrame(index=t.index)
     for corpus in sorted(df["setting.corpus"].unique()):
         out[f"{corpus} carry"] = t[(corpus, "carry")].round(4)
@@ -148,7 +144,7 @@ def tables(df) -> dict:
             "LM val loss": first["metrics.lm_val_loss"].round(4),
             "LM train s": first["metrics.lm_train_wall_s"].round(1),
         }
-    ).reindex(_order(first.index))
+    ).reindex(layer_order(first.index))
     return {
         "Loss (nats/token; gain = reset - carry: what carried fast weights are worth)": out,
         "Perplexity": ppl,
@@ -190,7 +186,7 @@ def figures(df, out_dir: Path) -> list[Path]:
         paths.append(save_png(fig, out_dir / "ppl_gates.png"))
     fig, ax = plt.subplots(figsize=(7, 3.5))
     d = df.assign(setting=df["setting.corpus"] + " " + df["setting.mode"]).sort_values(["layer", "setting"])
-    sns.barplot(data=d, x="layer", y="metrics.loss", hue="setting", order=_order(d["layer"]), ax=ax)
+    sns.barplot(data=d, x="layer", y="metrics.loss", hue="setting", order=layer_order(d["layer"]), ax=ax)
     ax.set_ylabel("loss (nats/token)")
     ax.set_ylim(d["metrics.loss"].min() * 0.95, d["metrics.loss"].max() * 1.02)
     ax.tick_params(axis="x", labelsize=8)

@@ -59,7 +59,7 @@ import torch
 from tqdm.auto import tqdm
 
 from memzoo.backbone.model import HybridLM
-from memzoo.bench.common import BASELINE, Context, save_png
+from memzoo.bench.common import BASELINE, Context, layer_order, save_png
 from memzoo.config import ConfigError, ModelConfig
 from memzoo.data import assoc_retrieval as ar
 from memzoo.data import mqar
@@ -259,10 +259,6 @@ def evaluate(model: HybridLM, task: Task, chunk: int = 128) -> dict[int, float]:
     return out
 
 
-def _lr_key(lr: float) -> str:
-    return f"{lr:g}"
-
-
 def work(ctx: Context, layer: str) -> int:
     """Units of work for the progress bar: the training steps of one layer."""
     s = ctx.preset.settings(NAME, Settings)
@@ -282,7 +278,7 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
                 t0 = time.perf_counter()
                 by_lr, best = {}, None  # best: (mean, lr, accuracy by slice, train loss, model)
                 for lr in s.lrs:
-                    doing = f"toys {layer} {tname} d={width} lr={_lr_key(lr)}"
+                    doing = f"toys {layer} {tname} d={width} lr={lr:g}"
                     model, loss = train_one(mc, task, lr, s, ctx.seed, ctx.device, lambda d=doing: ctx.advance(1, d))
                     acc = evaluate(model, task)
                     by_lr[lr] = mean = sum(acc.values()) / len(acc)
@@ -296,7 +292,7 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
                     "accuracy": round(mean, 4),
                     "acc_by_kv": {str(n): round(a, 4) for n, a in acc.items()},
                     "best_lr": lr,
-                    "acc_by_lr": {_lr_key(k): round(v, 4) for k, v in by_lr.items()},
+                    "acc_by_lr": {f"{k:g}": round(v, 4) for k, v in by_lr.items()},
                     "train_loss": round(loss, 4),
                     **state_size(model),
                     "params": sum(p.numel() for p in model.parameters()),
@@ -397,7 +393,7 @@ def figures(df, out_dir: Path) -> list[Path]:
     m = _order(df[df["setting.task"] == "mqar"])
     if m.empty:
         return []
-    order = sorted(set(m["layer"]), key=lambda n: (n != BASELINE, n))
+    order = layer_order(m["layer"])
     palette = dict(zip(order, sns.color_palette("tab10", len(order))))
     style = "preset" if m["preset"].nunique() > 1 else None
     paths = []

@@ -108,17 +108,3 @@ def eval_set(
     return make_batch(size, n_pairs, torch.Generator().manual_seed(seed), trailing_read=trailing_read)
 
 
-__all__ = [
-    "AssocBatch",
-    "DIGIT_OFFSET",
-    "LETTER_OFFSET",
-    "MAX_PAIRS",
-    "QUERY_ID",
-    "VOCAB",
-    "VOCAB_SIZE",
-    "decode",
-    "encode",
-    "eval_set",
-    "make_batch",
-    "seq_len",
-]

@@ -59,17 +59,6 @@ import datasets
 
 from memzoo.storage import atomic_open
 
-__all__ = [
-    "BIBLE_SETUP",
-    "SHAKESPEARE_SETUP",
-    "CorpusUnavailableError",
-    "cache_dir",
-    "corpus_available",
-    "corpus_names",
-    "load_corpus",
-    "split_documents",
-]
-
 #: Bump when the text a corpus builder produces changes, so stale JSONL caches are not reused.
 _FORMAT_VERSION = 1
 
@@ -364,20 +353,3 @@ def split_documents(
     train_idx = [i for i in range(n) if i not in val_rows]
     val_idx = sorted(val_rows)
     return datasets.DatasetDict(train=ds.select(train_idx), validation=ds.select(val_idx))
-
-
-def _describe(names: Iterable[str]) -> None:  # pragma: no cover - manual helper
-    """Print document and character counts (``python -m memzoo.data.corpora``)."""
-    for name in names:
-        ok, why = corpus_available(name)
-        if not ok:
-            print(f"{name}: unavailable: {why}")
-            continue
-        ds = load_corpus(name)
-        chars = sum(len(t) for t in ds["text"])
-        nbytes = sum(len(t.encode("utf-8")) for t in ds["text"])
-        print(f"{name}: {len(ds)} docs, {chars:,} chars, {nbytes:,} UTF-8 bytes")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _describe(corpus_names())

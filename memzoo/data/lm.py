@@ -21,14 +21,6 @@ from memzoo.data.corpora import cache_dir
 from memzoo.data.tokenizers import Tokenizer
 from memzoo.storage import torch_save
 
-__all__ = [
-    "LMStream",
-    "sequential_chunks",
-    "tokenize_corpus",
-    "unigram_cross_entropy",
-    "unigram_entropy",
-]
-
 _TOKEN_CACHE_VERSION = 1
 
 

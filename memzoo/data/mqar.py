@@ -142,4 +142,3 @@ def accuracy(logits: Tensor, targets: Tensor) -> float:
     return (logits.argmax(-1)[mask] == targets[mask]).float().mean().item()
 
 
-__all__ = ["IGNORE", "MQARBatch", "accuracy", "check_sizes", "make_batch", "mixed_batch", "power_law"]

@@ -40,11 +40,6 @@ import torch
 
 from memzoo.data.tokenizers import Tokenizer
 
-__all__ = [
-    "NEEDLE", "QUESTION", "Needle", "NeedleMix", "NiahSample", "TextSource", "depth_bins", "depth_label", "make_sample",
-    "niah_samples",
-]
-
 NEEDLE = "Remember {key}={value}.\n"
 QUESTION = "\nWhat is {key}? {key}="
 KEY_LEN, VALUE_DIGITS = 4, 6

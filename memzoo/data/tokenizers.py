@@ -25,15 +25,6 @@ from pathlib import Path
 
 import torch
 
-__all__ = [
-    "ByteTokenizer",
-    "HFTokenizer",
-    "SentencePieceTokenizer",
-    "Tokenizer",
-    "get_tokenizer",
-    "mistral_tokenizer_path",
-]
-
 
 class Tokenizer:
     """Common interface: ``encode``, ``decode``, ``vocab_size``, ``eos_id``, ``name``.

@@ -88,16 +88,6 @@ from memzoo.registry import register_layer
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": torch.relu, "tanh": torch.tanh}
 
-__all__ = [
-    "ACTIVATIONS",
-    "BaFastWeights",
-    "FastWeightsCell",
-    "FastWeightsRNN",
-    "fast_weight_settle",
-    "fast_weight_step",
-    "fast_weight_write",
-]
-
 
 # ---- the shared update (Eqs. 1-2, Sec. 3.1) ---------------------------------------------------
 def fast_weight_write(A: Tensor, h: Tensor, decay: float, eta: float) -> Tensor:

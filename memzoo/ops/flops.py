@@ -201,12 +201,7 @@ def _mapping() -> dict:
     }
 
 
-_SPARSE = {
-    aten._embedding_bag, aten._embedding_bag_forward_only, aten._embedding_bag_backward,
-    aten._embedding_bag_dense_backward, aten._embedding_bag_per_sample_weights_backward,
-    aten.index_add, aten.index_add_, aten.scatter_add, aten.scatter_add_, aten.index_put,
-    aten.index_put_, aten._index_put_impl_, aten.embedding_dense_backward,
-}
+_SPARSE = set(_mapping()) - {aten.convolution_backward, aten.linalg_solve_triangular}  # gathers and scatters
 
 
 def attention_pairs(n_queries: int, n_keys: int, window: int | None) -> int:

@@ -40,8 +40,6 @@ from torch import Tensor
 
 from memzoo.ops.linear_attention import causal_matmul
 
-__all__ = ["gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_recurrent"]
-
 
 # -----------------------------------------------------------------------------
 # helpers

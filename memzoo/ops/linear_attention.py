@@ -46,13 +46,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = [
-    "causal_matmul",
-    "linear_attention_recurrent",
-    "linear_attention_chunked",
-    "linear_attention_final_state",
-]
-
 
 def _check(q: Tensor | None, k: Tensor, v: Tensor, log_decay: Tensor | None, initial_state: Tensor | None):
     if k.dim() != 4 or v.dim() != 4:
