@@ -218,15 +218,31 @@ class Recorder:
         self.preset, self.seed = preset, seed
         self.run_id = run_id or time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
         self.rows: list[dict] = []
+        self._done: dict | None = None  # rows already in the file, by _key (read on first lookup)
 
-    def add(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float) -> dict:
+    @staticmethod
+    def _key(suite, preset, layer, setting, seed, config_hash) -> str:
+        return json.dumps([suite, preset, layer, setting, seed, config_hash], sort_keys=True)
+
+    def find(self, suite: str, layer: str, setting: dict, config: dict, seed: int | None = None) -> dict | None:
+        """The row already recorded in the file for this suite, preset, layer, setting, seed and
+        config (its hash), if any: what a resumed run skips."""
+        if self._done is None:
+            self._done = {self._key(r["suite"], r["preset"], r["layer"], r["setting"], r["seed"], r["config_hash"]): r
+                          for r in read_results(self.path)}
+        seed = self.seed if seed is None else seed
+        return self._done.get(self._key(suite, self.preset, layer, setting, seed, config_hash(config)))
+
+    def add(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float,
+            seed: int | None = None) -> dict:
+        """Append one row; `seed` is the row's own seed where a suite runs several (default: the run's)."""
         row = {
             "suite": suite,
             "layer": layer,
             "setting": setting,
             "metrics": metrics,
             "preset": self.preset,
-            "seed": self.seed,
+            "seed": self.seed if seed is None else seed,
             "config": config,
             "config_hash": config_hash(config),
             "git_sha": git_sha(),
@@ -245,6 +261,8 @@ class Recorder:
             os.fsync(f.fileno())
             fcntl.flock(f, fcntl.LOCK_UN)
         self.rows.append(row)
+        if self._done is not None:
+            self._done[self._key(suite, self.preset, layer, setting, row["seed"], row["config_hash"])] = row
         return row
 
 
@@ -292,9 +310,16 @@ class Context:
     device: str = "cpu"
     progress: bool = True
     on_work: Callable[[int, str], None] | None = None  # (units done, what runs now): the bench's progress bar
+    resume: bool = False  # skip what is already recorded with the same config and seed
 
-    def record(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float) -> dict:
-        return self.recorder.add(suite, layer, setting, metrics, config, wall_s)
+    def record(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float,
+               seed: int | None = None) -> dict:
+        return self.recorder.add(suite, layer, setting, metrics, config, wall_s, seed)
+
+    def recorded(self, suite: str, layer: str, setting: dict, config: dict, seed: int | None = None) -> dict | None:
+        """With `resume`, the row already recorded for this measurement (same config hash and
+        seed), which the suite then skips; None otherwise."""
+        return self.recorder.find(suite, layer, setting, config, seed) if self.resume else None
 
     def advance(self, units: int, doing: str) -> None:
         """`units` units of work are done; `doing` says what runs now."""
@@ -303,6 +328,24 @@ class Context:
 
 
 # ---- rendering helpers shared by the suites' tables and figures -------------------------------
+
+
+# t_{0.975, n-1} for 95% intervals over n = 2..11 values (above: the normal 1.96)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def mean_ci(values) -> tuple[float, float]:
+    """(mean, half-width of its 95% t-interval) of a few values (seeds, samples); half-width 0
+    for a single value, NaN mean for none."""
+    vals = [float(v) for v in values]
+    n = len(vals)
+    if n == 0:
+        return float("nan"), float("nan")
+    m = sum(vals) / n
+    if n == 1:
+        return m, 0.0
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (n - 1))
+    return m, (_T975[n - 2] if n - 2 < len(_T975) else 1.96) * sd / math.sqrt(n)
 
 
 def layer_order(names) -> list[str]:

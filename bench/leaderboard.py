@@ -3,7 +3,7 @@
 Rendering reads nothing but results.jsonl, so the published tables and plots can always be
 regenerated and checked: the same file gives the same bytes (sorted rows, no clock, PNGs
 without metadata). Where a (suite, preset, layer, setting) was measured more than once, the
-latest row counts; every row's provenance stays in results.jsonl and the README lists the runs
+latest row counts (per seed); every row's provenance stays in results.jsonl and the README lists the runs
 behind the tables.
 """
 
@@ -20,10 +20,10 @@ _DROP = ("config", "versions", "hardware")  # provenance kept in results.jsonl, 
 
 
 def latest(rows: list[dict]) -> list[dict]:
-    """The last row of every (suite, preset, layer, setting), in a fixed order."""
+    """The last row of every (suite, preset, layer, setting, seed), in a fixed order."""
     keep: dict[tuple, dict] = {}
     for r in sorted(rows, key=lambda r: (r["time"], r["run_id"])):
-        keep[(r["suite"], r["preset"], r["layer"], json.dumps(r["setting"], sort_keys=True))] = r
+        keep[(r["suite"], r["preset"], r["layer"], json.dumps(r["setting"], sort_keys=True), r["seed"])] = r
     return [keep[k] for k in sorted(keep)]
 
 

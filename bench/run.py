@@ -94,7 +94,7 @@ def _worker(args: dict, wid: int, layers: list[str], todo: list[str], threads: i
     p = load_preset(args["preset"])
     rec = Recorder(args["out"], p.name, args["seed"], run_id=args["run_id"])
     ctx = Context(p, args["seed"], rec, Path(args["work_dir"]), args["device"], progress=False,
-                  on_work=lambda units, doing: queue.put(("work", wid, units, doing)))
+                  on_work=lambda units, doing: queue.put(("work", wid, units, doing)), resume=args["resume"])
     _work(ctx, layers, todo)
     queue.put(("end", wid, 0, ""))
 
@@ -109,9 +109,12 @@ def run_bench(
     device: str = "cpu",
     progress: bool = True,
     jobs: int = 0,
+    resume: bool = False,
 ) -> list[dict]:
     """Run the suites and return the recorded rows (also appended to <out>/results.jsonl).
-    `jobs`: worker processes (0 = one per CPU core on CPU, 1 on CUDA). Bad arguments (a
+    `jobs`: worker processes (0 = one per CPU core on CPU, 1 on CUDA). `resume`: a measurement
+    already in <out>/results.jsonl with the same config hash and seed is skipped (suites that
+    support it: toys), so a killed run continues where it stopped. Bad arguments (a
     negative `jobs`, an unavailable device, an unwritable `out` or `work_dir`) fail at once."""
     import multiprocessing as mp
     import os
@@ -137,7 +140,7 @@ def run_bench(
     groups = share_out(names, max(1, min(jobs, len(names))))
     rec = Recorder(ensure_writable_dir(out), p.name, seed)
     work_dir = ensure_writable_dir(work_dir or Path("runs") / "bench" / p.name)
-    ctx = Context(p, seed, rec, work_dir, device, progress)
+    ctx = Context(p, seed, rec, work_dir, device, progress, resume=resume)
     total = work_units(ctx, names, todo)
     print(f"memzoo bench: preset {p.name}, seed {seed}, layers {', '.join(names)}, suites {', '.join(todo)}"
           + (f", {len(groups)} workers: " + " | ".join(",".join(g) for g in groups) if len(groups) > 1 else "")
@@ -159,7 +162,7 @@ def run_bench(
         mpc = mp.get_context("spawn")
         queue = mpc.Queue()
         args = {"preset": p.source, "seed": seed, "out": str(out), "work_dir": str(work_dir), "device": device,
-                "run_id": rec.run_id}
+                "run_id": rec.run_id, "resume": resume}
         threads = max(1, cores // len(groups))
         procs = [mpc.Process(target=_worker, args=(args, i, g, todo, threads, queue)) for i, g in enumerate(groups)]
         for proc in procs:

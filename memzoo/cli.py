@@ -80,7 +80,8 @@ def cmd_train(args) -> int:
 def cmd_bench(args) -> int:
     from memzoo.bench.run import run_bench
 
-    run_bench(args.layers, args.suite, args.preset, args.seed, args.out, args.work_dir, args.device, not args.quiet, args.jobs)
+    run_bench(args.layers, args.suite, args.preset, args.seed, args.out, args.work_dir, args.device, not args.quiet, args.jobs,
+              args.resume)
     return 0
 
 
@@ -136,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (cuda if available)")
     b.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per CPU core on CPU, 1 on CUDA)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
+    b.add_argument("--resume", action="store_true",
+                   help="skip what OUT/results.jsonl already holds for the same config and seed (a killed run continues)")
     b.set_defaults(fn=cmd_bench)
 
     lb = sub.add_parser("leaderboard", help="render OUT/README.md and figures from OUT/results.jsonl")

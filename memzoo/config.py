@@ -152,6 +152,7 @@ class ModelConfig:
     window: int = 512
     p_window: float = 0.9  # pSWA: probability of the window during training
     rope_theta: float = 10000.0
+    attn_conv: int = 0  # short convolution on attention's q, k, v (0: none, as in the paper)
     # gated DeltaNet
     gdn_heads: int = 8
     gdn_head_dim: int = 64
@@ -191,6 +192,7 @@ _MODEL_RANGES = {
     **dict.fromkeys(("d_model", "n_layers", "ffn_dim", "attn_heads", "attn_kv_heads", "attn_head_dim",
                      "window", "gdn_heads", "gdn_head_dim", "gdn_conv", "gdn_chunk"), _ge(1)),
     "vocab_size": _ge(2),
+    "attn_conv": _ge(0),
     "norm_eps": _gt(0),
     "rope_theta": _gt(0),
     "p_window": (lambda v: 0 < v <= 1, "in (0, 1]"),

@@ -23,6 +23,7 @@ TINY = dict(vocab_size=67, d_model=32, n_layers=4, ffn_dim=64, attn_heads=4, att
         ("FA", ["FA"] * 12),
         ("FA-pSWA", ["FA-pSWA"] * 12),
         ("gdn + fa-pswa", ["GDN", "GDN", "GDN", "FA-pSWA"] * 3),
+        ("NONE", ["NONE"] * 12),
     ],
 )
 def test_paper_mixer_layouts_parse(text, mixers):
@@ -88,6 +89,35 @@ def test_attention_streams(window, a):
     _split_equal(GatedAttention(32, 4, 2, 8, window=window), torch.randn(2, 21, 32), a)
 
 
+@pytest.mark.parametrize("a", [1, 2, 7, 13])
+def test_attention_with_a_short_convolution_streams(a):
+    torch.manual_seed(0)
+    _split_equal(GatedAttention(32, 4, 2, 8, conv_size=4), torch.randn(2, 21, 32), a)
+
+
+def test_attention_short_convolution_is_causal_and_local():
+    """With conv size 4, q, k, v at t mix the inputs t-3..t only: perturbing a later token changes
+    nothing before it, and without the attention (one head over one key) the mixer would still see
+    3 tokens back: the key of position 1 carries token 0."""
+    torch.manual_seed(0)
+    att = GatedAttention(32, 4, 2, 8, conv_size=4)
+    x = torch.randn(1, 10, 32)
+    x2 = x.clone()
+    x2[:, 6] += 1.0
+    torch.testing.assert_close(att(x)[0][:, :6], att(x2)[0][:, :6])
+    assert not torch.allclose(att(x)[0][:, 6], att(x2)[0][:, 6])
+    assert sum(p.numel() for p in att.convs.parameters()) == (4 * 8 + 2 * 8 + 2 * 8) * 4
+
+
+def test_no_mixer_sees_each_token_alone():
+    torch.manual_seed(0)
+    model = HybridLM.from_layout("NONE", **TINY).eval()
+    ids = torch.randint(0, 67, (1, 12))
+    other = ids.clone()
+    other[0, :11] = (ids[0, :11] + 1) % 67  # every token but the last changed
+    torch.testing.assert_close(model(ids).logits[:, -1], model(other).logits[:, -1])
+
+
 def test_swa_is_local_and_fa_is_not():
     torch.manual_seed(0)
     swa, fa = GatedAttention(32, 4, 2, 8, window=4), GatedAttention(32, 4, 2, 8)
@@ -110,10 +140,11 @@ def test_pswa_draws_only_in_training():
 
 
 # ---- the model ------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["GDN", "GDN+SWA | linear@1,3", "FA", "FA-pSWA | linear@all"])
-def test_model_streams_across_calls(layout):
+@pytest.mark.parametrize("layout, conv", [("GDN", 0), ("GDN+SWA | linear@1,3", 0), ("FA", 0), ("FA-pSWA | linear@all", 0),
+                                          ("GDN+SWA", 4), ("NONE | linear@1", 0)])
+def test_model_streams_across_calls(layout, conv):
     torch.manual_seed(0)
-    model = HybridLM.from_layout(layout, **TINY).eval()
+    model = HybridLM.from_layout(layout, **TINY, attn_conv=conv).eval()
     ids = torch.randint(0, 67, (2, 20))
     full = model(ids).logits
     out1 = model(ids[:, :9], use_cache=True)

@@ -116,8 +116,9 @@ MICRO = {
     "model": {"layout": "GDN", "vocab_size": 257, "d_model": 32, "n_layers": 2, "ffn_dim": 64, "gdn_heads": 2,
               "gdn_head_dim": 16},
     "train": {"seq_len": 64, "batch_size": 2, "steps": 2, "warmup": 1, "eval_every": 2, "eval_batches": 1},
-    "toys": {"tasks": ["mqar"], "widths": [16, 32], "steps": 3, "lrs": [0.01], "batch_size": 4, "warmup": 1,
-             "eval_size": 8, "mqar_kv": [1]},
+    "toys": {"tasks": ["mqar"], "widths": [16, 32], "max_steps": 3, "eval_every": 3, "seeds": 1, "lrs": [0.01],
+             "batch_size": 4, "warmup": 1, "val_size": 8, "test_size": 8, "mqar_seq_len": 16, "mqar_vocab": 32,
+             "mqar_kv": [1], "controls": False},
     "ppl": {"seq_len": 32, "max_tokens": 64},
     "cost": {"batch": 2, "seq_len": 32, "warmup": 1, "steps": 1},
 }

@@ -3,7 +3,6 @@ micro run of bench/suites/toys.py (training, rows, tables, figures)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pandas as pd
@@ -12,7 +11,8 @@ import torch
 
 import memzoo.layers  # noqa: F401  (registers the layers)
 from memzoo.bench.suites import toys
-from memzoo.bench.common import BASELINE, Context, Recorder, load_preset
+from memzoo.backbone.model import HybridLM
+from memzoo.bench.common import BASELINE, Context, Recorder, load_preset, mean_ci
 from memzoo.config import ConfigError
 from memzoo.data import mqar
 
@@ -99,22 +99,28 @@ def test_mqar_mixed_batch_and_accuracy():
 # ---- the suite -----------------------------------------------------------------------------
 
 MICRO = {
+    "tasks": ["mqar", "ar"],
     "widths": [16, 24],
+    "seeds": 2,
     "lrs": [1e-2, 3e-2],
-    "steps": 4,
+    "max_steps": 6,
+    "eval_every": 3,
     "warmup": 1,
     "batch_size": 6,
-    "eval_size": 12,
+    "val_size": 12,
+    "test_size": 12,
     "mqar_kv": [1, 2],
+    "mqar_seq_len": 16,
+    "mqar_vocab": 32,
     "ar_pairs": [2],
 }
 
 
-def _ctx(tmp_path, **over):
+def _ctx(tmp_path, resume=False, **over):
     preset = load_preset("tiny")
     preset.suites["toys"] = {**MICRO, **over}
     rec = Recorder(tmp_path, preset.name, 0, run_id="test")
-    return Context(preset=preset, seed=0, recorder=rec, work_dir=tmp_path / "work", progress=False)
+    return Context(preset=preset, seed=0, recorder=rec, work_dir=tmp_path / "work", progress=False, resume=resume)
 
 
 def test_defaults_are_the_tiny_preset():
@@ -129,52 +135,109 @@ def test_settings_are_checked(tmp_path):
         toys.Settings(mqar_kv=[5], mqar_seq_len=16).check()
     with pytest.raises(ConfigError, match="unknown layer"):
         toys.Settings(layer_options={"fwpmk": {}}).check()
+    with pytest.raises(ConfigError, match="variants.x must be"):
+        toys.Settings(variants={"x": {"layer": "nope"}}).check()
+    with pytest.raises(ConfigError, match="layer_lrs: unknown layer"):
+        toys.Settings(layer_lrs={"fwpmk": [1e-3]}).check()
+    with pytest.raises(ConfigError, match="toys.model: unknown backbone field"):
+        toys.Settings(model={"d_modle": 3}).check()
+    with pytest.raises(ConfigError, match="precision"):
+        toys.Settings(precision="fp16").check()
 
 
 def test_toy_config_places_the_layer_and_merges_options():
-    preset, s = load_preset("tiny"), toys.Settings()
+    preset, s = load_preset("tiny"), toys.Settings(variants={"fwpkm/seq": {"layer": "fwpkm", "options": {"per_sequence": True}}})
     mc = toys.toy_config(preset, "fwpkm", 64, 32, s)
-    assert (mc.d_model, mc.n_layers, mc.vocab_size, mc.gdn_head_dim, mc.ffn_dim) == (64, 2, 32, 16, 192)
+    assert (mc.d_model, mc.n_layers, mc.vocab_size, mc.gdn_head_dim, mc.ffn_dim, mc.gdn_chunk) == (64, 2, 32, 16, 192, 16)
     assert mc.layout == "GDN | fwpkm@last"
-    assert mc.memory["fwpkm"] == {**preset.layers["fwpkm"].options, "chunk_size": 4}
+    assert mc.memory["fwpkm"] == {**preset.layers["fwpkm"].options, "chunk_size": 8, "per_sequence": True}
     assert toys.toy_config(preset, BASELINE, 32, 37, s).memory == {}
+    v = toys.toy_config(preset, "fwpkm/seq", 64, 32, s)
+    assert v.layout == "GDN | fwpkm@last" and v.memory["fwpkm"] == {**mc.memory["fwpkm"], "per_sequence": True}
+    pos, neg = toys.toy_config(preset, toys.POSITIVE, 32, 37, s), toys.toy_config(preset, toys.NEGATIVE, 32, 37, s)
+    assert (pos.layout, pos.attn_conv, pos.memory) == ("FA", preset.backbone.get("gdn_conv", 4), {})
+    assert (neg.layout, neg.memory) == ("NONE", {})
 
 
-def test_micro_run_records_rows_tables_and_figures(tmp_path):
-    ctx = _ctx(tmp_path)
+def test_mean_ci_by_hand():
+    m, h = mean_ci([1.0, 2.0, 3.0])  # sd 1, t(0.975, 2) = 4.303
+    assert m == 2.0 and h == pytest.approx(4.303 / 3**0.5)
+    assert mean_ci([0.5]) == (0.5, 0.0)
+
+
+def test_micro_run_records_rows_resumes_and_renders(tmp_path):
+    ctx = _ctx(tmp_path, resume=True)
     rows = toys.run(ctx, [BASELINE, "fwpkm"])
-    assert len(rows) == 2 * 2 * 2  # layers x tasks x widths
+    models = [BASELINE, "fwpkm", *toys.CONTROLS]
+    assert len(rows) == len(models) * 2 * 2 * 2  # models x tasks x widths x seeds
     saved = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(saved) == len(rows)
+    assert {(r["layer"], r["seed"]) for r in saved} == {(m, s) for m in models for s in (0, 1)}
     for r in rows:
         m = r["metrics"]
         assert r["suite"] == "toys" and set(r["setting"]) == {"task", "d_model"}
-        assert 0.0 <= m["accuracy"] <= 1.0 and m["best_lr"] in MICRO["lrs"]
-        assert set(m["acc_by_lr"]) == {"0.01", "0.03"}
+        assert 0.0 <= m["accuracy"] <= 1.0 and m["lr"] in MICRO["lrs"]
+        assert set(m["val_by_lr"]) == {"0.01", "0.03"} and m["val_accuracy"] == max(m["val_by_lr"].values())
         kv = MICRO["mqar_kv"] if r["setting"]["task"] == "mqar" else MICRO["ar_pairs"]
         assert set(m["acc_by_kv"]) == {str(n) for n in kv}
-        assert m["state_size"] == m["gdn_state"] + m["mem_state"]
-        assert r["config"]["settings"] == dataclasses.asdict(ctx.preset.settings("toys", toys.Settings))
+        assert m["state_size"] == m["gdn_state"] + m["mem_state"] + m["kv_cache"]
+        assert 1 <= m["steps"] <= MICRO["max_steps"] and m["stop"] in ("solved", "plateau", "capped")
+        assert m["converged"] == (m["stop"] != "capped")
     base = {(r["setting"]["task"], r["setting"]["d_model"]): r["metrics"] for r in rows if r["layer"] == BASELINE}
     assert base[("mqar", 16)]["gdn_state"] == 2 * 4 * 4 * 4  # 2 GDN layers x 4 heads x 4^2
     assert base[("mqar", 16)]["mem_state"] == 0
-    fw = [r["metrics"] for r in rows if r["layer"] == "fwpkm"]
-    assert all(m["state_shared"] and m["mem_state"] == 64 * 64 * 64 + 2 * 64 * 32 for m in fw)
+    att = [r["metrics"] for r in rows if r["layer"] == toys.POSITIVE and r["setting"] == {"task": "mqar", "d_model": 16}]
+    assert att[0]["kv_cache"] == 2 * 2 * 2 * 4 * 16  # 2 layers x (k, v) x 2 kv heads x head 4 x 16 tokens
+    fw = [r["metrics"] for r in rows if r["layer"] == "fwpkm"]  # a memory per sequence (tiny's toys)
+    assert all(not m["state_shared"] and m["mem_state"] == 64 * 64 * 64 + 2 * 64 * 32 for m in fw)
+
+    # resumed: every cell is recorded with the same config and seed, so nothing is trained again
+    again = toys.run(_ctx(tmp_path, resume=True), [BASELINE, "fwpkm"])
+    assert [r["run_id"] for r in again] == ["test"] * len(rows)
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(rows)
 
     df = pd.json_normalize([{k: v for k, v in r.items() if k != "config"} for r in saved])
+    tabs = toys.tables(df)  # 6 steps cannot solve anything: both tasks' harness is invalid
+    titles = list(tabs)
+    assert titles[0].startswith("HARNESS INVALID for mqar (the positive control reaches only")
+    assert titles[1].startswith("HARNESS INVALID for ar")
+    assert set(tabs[titles[0]]["layer"]) == set(toys.CONTROLS)  # no layer rows beside a failed control
+    assert toys.figures(df, tmp_path / "none") == []
+
+    # make the controls pass: the positive one solves the easiest slice, the negative one is at chance
+    pos, neg = df["layer"] == toys.POSITIVE, df["layer"] == toys.NEGATIVE
+    df.loc[pos, "metrics.acc_by_kv.1"] = df.loc[pos, "metrics.acc_by_kv.2"] = df.loc[pos, "metrics.accuracy"] = 1.0
+    df.loc[pos, "metrics.acc_by_kv.2"] = 1.0
+    df.loc[neg, "metrics.accuracy"] = df.loc[neg, "metrics.chance"]
+    assert toys.validity(df, "mqar") == [] and toys.validity(df, "ar") == []
     tabs = toys.tables(df)
-    assert list(tabs) == [
-        "MQAR accuracy by key-value pairs (best lr)",
-        "Ba's associative retrieval accuracy by pairs (best lr)",
-        "Recurrent state per sequence (numbers)",
-        "Mean accuracy per learning rate",
-    ]
-    mq = tabs["MQAR accuracy by key-value pairs (best lr)"]
-    assert list(mq["layer"]) == [BASELINE, BASELINE, "fwpkm", "fwpkm"]
-    assert {"kv=1", "kv=2", "state", "mean"} <= set(mq.columns)
+    mq = tabs["MQAR test accuracy by key-value pairs"]
+    assert list(mq["layer"]) == [BASELINE, BASELINE, "fwpkm", "fwpkm", *[c for c in toys.CONTROLS for _ in (16, 24)]]
+    assert {"kv=1", "kv=2", "mean", "steps (max)", "stop", "lr", "state", "seeds"} <= set(mq.columns)
+    assert mq.loc[mq["layer"] == toys.POSITIVE, "kv=1"].str.startswith("1.000 ± 0.000").all()
     for t in tabs.values():
         assert t.to_markdown()
     paths = toys.figures(df, tmp_path / "a")
-    assert [p.name for p in paths] == ["toys_mqar_capacity.png", "toys_mqar_by_kv.png"]
+    assert [p.name for p in paths] == ["toys_mqar_capacity.png", "toys_mqar_state.png"]
     again = toys.figures(df.iloc[::-1], tmp_path / "b")  # row order does not change the bytes
     assert [p.read_bytes() for p in paths] == [p.read_bytes() for p in again]
+
+
+def test_interval_marks_against_the_baseline():
+    assert toys._fmt([0.9, 0.91, 0.92], ref=[0.5, 0.51, 0.52]).endswith(" ▲")
+    assert toys._fmt([0.1, 0.11, 0.12], ref=[0.5, 0.51, 0.52]).endswith(" ▼")
+    assert toys._fmt([0.5, 0.6, 0.4], ref=[0.5, 0.51, 0.52]) == "0.500 ± 0.248"
+
+
+def test_evaluation_leaves_persistent_memories_as_they_were(tmp_path):
+    s = toys.Settings(**{k: v for k, v in MICRO.items() if k != "tasks"}, layer_options={"fwpkm": {"chunk_size": 8}})
+    task = toys.Task("mqar", s)
+    mc = toys.toy_config(load_preset("tiny"), "fwpkm", 16, task.vocab, s)
+    torch.manual_seed(0)
+    model = HybridLM(mc)
+    before = [{k: v.clone() for k, v in st.items()} for st in model.memory_state(persistent_only=True)]
+    assert before and all(before)  # FwPKM shared by the batch: a persistent memory
+    a = toys.evaluate(model, task.val, s.batch_size)
+    after = model.memory_state(persistent_only=True)
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(before, after) for k in x)
+    assert toys.evaluate(model, task.val, s.batch_size) == a  # and so it is repeatable

@@ -1,55 +1,72 @@
-"""The toys suite: in-context recall on synthetic tasks, and how it grows with the state.
+"""The toys suite: in-context recall on synthetic tasks, trained to convergence, with controls.
 
-Two tasks, each learned from scratch by a small LM (the preset's backbone, ``n_layers`` = 2,
-the memory layer at ``at``), for every width in ``widths`` and every learning rate in ``lrs``:
+Tasks, each learned from scratch by a small LM (the preset's backbone scaled to a width, ``n_layers``
+blocks, the memory layer at ``at``):
 
 - ``mqar``: multi-query associative recall (Zoology, Arora et al. 2023, Sec. 3;
   :mod:`memzoo.data.mqar`): keys from the first half of the vocabulary, values from the second,
   queries placed with power-law spacing, accuracy on the labelled (query) positions. Training
-  batches mix every count of ``mqar_kv`` in equal parts; each count is evaluated on its own
-  held-out batches, so accuracy is sliced by the number of key-value pairs.
+  batches mix every count of ``mqar_kv`` in equal parts (as Zoology trains); each count is
+  evaluated on its own, so a row is a capacity curve: accuracy against key-value pairs.
 - ``ar``: Ba et al.'s associative retrieval (2016, Sec. 4.1; :mod:`memzoo.data.assoc_retrieval`),
-  ``c9k8j3f1??c -> 9``, with the LM's prediction at the last position as the answer (the only
-  labelled position). Training steps cycle through ``ar_pairs``; each is evaluated on its own.
+  ``c9k8j3f1??c -> 9``, the prediction at the last position being the answer. Training steps
+  cycle through ``ar_pairs``; each is evaluated on its own.
 
-A (layer, task, width) row reports the best learning rate's accuracy (chosen by the mean over
-kv counts on the held-out sets, as Zoology reports the best of its sweep) and every learning
-rate's mean, so a reader sees how sensitive the layer was. Chance is 1/10 for ``ar`` (ten
-digits) and about 1/n for ``mqar`` with n pairs for a model that has learned to answer with one
-of the sequence's values.
+Protocol, per cell (layer, task, width, seed):
 
-State size (the x axis of the capacity curve) is the recurrent state one sequence carries,
-in numbers: every GDN mixer's matrix (heads × head_dim²) plus the memory layer's fast weights
-(`fast_weight_numel()` after a forward). FwPKM and FwMLP as the paper trains them share one
-memory across the batch and keep it across sequences; their whole memory is counted, which
-overstates what one sequence can use of it. Short-convolution caches are not counted.
+1. *Data.* Training batches are drawn from the seed; a validation set and a test set per slice
+   (kv count or pairs) come from generators of their own, the same for every layer and seed.
+2. *Training to convergence.* AdamW, warmup then cosine to ``min_lr_ratio`` × lr at
+   ``max_steps`` (the cap). Every ``eval_every`` steps the model is scored on the validation
+   sets (mean over slices); training stops when that reaches ``target`` (*solved*) or has not
+   gained ``min_delta`` for ``patience`` evaluations (*plateau*); otherwise the cap stops it
+   (*capped*: marked in every table, such a cell did not converge). The model kept is the one of
+   the best validation score.
+3. *Learning rate on validation.* Each candidate of ``lrs`` (or the layer's own list in
+   ``layer_lrs``: tuned once, recorded in the preset) is trained; the best validation score picks
+   one; only then are the test sets scored. No test number ever chooses anything.
+4. *Seeds.* ``seeds`` seeds per cell (the bench's ``--seed``, +1, ...), one row each; tables show
+   the mean and a 95% t-interval over them, and mark a layer whose interval lies wholly above
+   (▲) or below (▼) the baseline's.
+5. *Controls* (run with the baseline): ``ctrl:attention``, the positive control: full softmax
+   attention in every block with a short convolution on q, k and v (``attn_conv``; Zoology's
+   attention is ``Hybrid([BaseConv, MHA])`` for the same reason), same width and budget; and
+   ``ctrl:none``, the negative control: blocks with no token mixer, which cannot recall
+   (chance: 2/vocab on MQAR for a model that knows the answer is a value, 1/10 on Ba's task).
+   If the positive control misses ``target`` on the easiest slice of a task in any seed, or the
+   negative control is above twice chance, the suite reports the harness as invalid and
+   publishes no layer rows for that task.
 
-Sizes. The preset's backbone is scaled to each width: ``d_model`` = w, the FFN at the preset's
-ratio, the GDN heads as in the preset with head size w / heads (so the GDN state grows as w²).
-The memory layers keep the preset's options (sized for d_model = 128, so most of them do not
-grow with w) with ``layer_options[layer]`` merged over them (a preset that sets
-``layer_options`` replaces the default mapping as a whole).
+Evaluation runs batches of ``batch_size`` sequences, as in training: a memory shared by the batch
+(FwPKM as the paper trains it) then holds as many sequences as it did while learning. Before
+every evaluation batch the persistent fast weights go back to their trained value, and after
+validation to where training left them, so evaluating never changes training and batches never
+leak into each other.
 
-Update chunks. With the preset's chunks (32-256 tokens) a toy sequence is a single chunk, read
-before it is written, so a chunk-level layer (FwPKM, FwMLP, LaCT, FWL) could never recall a
-pair of its own sequence. The tiny default shortens their chunk to 4 tokens (two pairs): pairs
-start at even positions, so a pair never straddles a chunk (FwPKM's and FwMLP's lookahead binds
-a key to the next token inside a chunk), and a query can read every pair written in earlier
-chunks. A query in the chunk of its own pair (MQAR's power-law spacing puts many right after
-the pairs when there are few) is left to the GDN mixers. With even ``ar_pairs`` Ba's query
-always sits in a later chunk than every pair.
+State size (the x axis of the capacity plot) is the recurrent state one sequence carries, in
+numbers: every GDN mixer's matrix (heads × head_dim²), the memory layer's fast weights
+(`fast_weight_numel()`), and for attention its KV cache at the sequence length. A memory shared
+by the batch (FwPKM, FwMLP as the paper trains them) is counted whole, which overstates what one
+sequence can use of it. Short-convolution caches are not counted.
 
-Budget (tiny preset, one CPU thread on a shared 2-core machine, 12 trainings of 150 steps per
-layer): 45 s for the baseline, about 70 s for FwPKM and LaCT, 95 s for MoM. The tiny tasks are
-small on purpose (MQAR: 16 tokens, vocabulary 32, 1-4 pairs): within that budget a 2-layer GDN
-learns them only partly, and larger vocabularies and sequences stay at chance; the paper preset
-has Zoology's sizes for a GPU. Learning rates are chosen on the held-out sets (no separate
-validation split), as Zoology's sweeps are reported.
+Variants (``variants``): extra rows of a layer with other options, run with it, e.g. FwPKM with
+its memory shared by the batch as the paper trains it on text, beside the per-sequence memory
+that in-context recall calls for.
+
+Update chunks. A chunk-level layer (FwPKM, FwMLP, LaCT, FWL) reads its memory before it writes
+the chunk, so with the preset's chunks (32-256 tokens) a toy sequence would be a single chunk and
+no pair of it could ever be recalled from the memory. The presets give them chunks of a few pairs
+(``layer_options``): pairs start at even positions, so with an even chunk a pair never straddles
+two chunks (FwPKM's and FwMLP's lookahead binds a key to the next token inside a chunk), and a
+query reads every pair written in earlier chunks. A query inside its own pair's chunk is left to
+the GDN mixers.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import copy
+import inspect
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +76,7 @@ import torch
 from tqdm.auto import tqdm
 
 from memzoo.backbone.model import HybridLM
-from memzoo.bench.common import BASELINE, Context, layer_order, save_png
+from memzoo.bench.common import BASELINE, Context, layer_order, mean_ci, save_png
 from memzoo.config import ConfigError, ModelConfig
 from memzoo.data import assoc_retrieval as ar
 from memzoo.data import mqar
@@ -67,53 +84,72 @@ from memzoo.train import lr_at, make_step, param_groups
 
 NAME = "toys"
 TASKS = ("mqar", "ar")
+POSITIVE, NEGATIVE = "ctrl:attention", "ctrl:none"
+CONTROLS = (POSITIVE, NEGATIVE)
 
 # shown under the suite's tables in the leaderboard
-EXPLANATION = """Accuracy is on the labelled positions of held-out sequences (MQAR: every query; Ba's task: the
-answer after the query), for the best of the learning rates (chosen on those sets, as Zoology
-reports its sweeps). Chance: 1/10 on Ba's task; on MQAR 2/vocabulary (1/16 in the tiny preset)
-for a model that only knows the answer is a value, 1/n for one that picks a value of its sequence
-(n pairs). State: numbers one sequence carries (GDN matrices + the memory's fast weights); a
-memory shared by the batch (FwPKM as the paper trains it) is counted whole. Tiny preset: short training on a CPU (one seed),
-so gaps of a few points are noise; chunk-level layers update every few tokens (see the preset)."""
+EXPLANATION = """Accuracy is on the labelled positions of the test sets (MQAR: every query; Ba's task: the answer
+after the query), mean ± the half-width of a 95% t-interval over the seeds; ▲ / ▼: the layer's
+interval lies wholly above / below the baseline's. Each training ran until validation accuracy
+reached the target or stopped improving (*stop*: solved / plateau / capped; a capped cell did not
+converge), with the learning rate chosen on the validation sets. ctrl:attention is the positive
+control (attention with a short convolution), ctrl:none the negative one (no token mixer).
+State: numbers one sequence carries (GDN matrices, the memory's fast weights, attention's KV
+cache); a memory shared by the batch (FwPKM as the paper trains it) is counted whole."""
 
 
 def _short_chunks() -> dict:
-    """Update chunks of 4 tokens for every chunk-level read-then-write layer: each registered
-    layer whose constructor takes a `chunk_size` and that does not read its own token's write
-    (not `inclusive`)."""
-    import inspect
-
+    """Update chunks of 8 tokens (four pairs) for every chunk-level read-then-write layer: each
+    registered layer whose constructor takes a `chunk_size` and that does not read its own
+    token's write (not `inclusive`); FwPKM and FwMLP with a memory per sequence."""
     from memzoo.registry import get_layer, layer_names
 
-    return {n: {"chunk_size": 4} for n in layer_names()
-            if "chunk_size" in inspect.signature(get_layer(n)).parameters and not get_layer(n).inclusive}
+    out = {n: {"chunk_size": 8} for n in layer_names()
+           if "chunk_size" in inspect.signature(get_layer(n)).parameters and not get_layer(n).inclusive}
+    for n in ("fwpkm", "fwmlp"):  # shared by the batch as the paper trains them; a memory per sequence here
+        if n in out:
+            out[n]["per_sequence"] = True
+    return out
 
 
 @dataclass
 class Settings:
-    tasks: list = field(default_factory=lambda: list(TASKS))
-    widths: list = field(default_factory=lambda: [32, 64])  # d_model of each model; >= 2 for a curve
+    tasks: list = field(default_factory=lambda: ["mqar"])
+    widths: list = field(default_factory=lambda: [64])  # d_model of each model; >= 2 for a state curve
     n_layers: int = 2
     at: str = "last"  # where the memory layer goes ("last" = block 1 of 2)
+    model: dict = field(default_factory=lambda: {"gdn_chunk": 16})  # backbone fields over the preset's
     layer_options: dict = field(default_factory=_short_chunks)  # per layer, merged over the preset's
-    lrs: list = field(default_factory=lambda: [3e-3, 1e-2, 3e-2])  # in increasing order: ties go to the first
-    steps: int = 150
+    variants: dict = field(default_factory=dict)  # extra rows: {name: {layer: L, options: {...}}}, run with L
+    seeds: int = 2
+    lrs: list = field(default_factory=lambda: [3e-3])  # candidates, chosen on validation (ties: the first)
+    layer_lrs: dict = field(default_factory=dict)  # a layer's (or control's) own candidates
+    max_steps: int = 1000  # the cap
+    eval_every: int = 50
+    patience: int = 6  # evaluations without a gain of min_delta: plateau
+    min_delta: float = 0.005
+    target: float = 0.99  # validation accuracy that counts as solved
     batch_size: int = 32
-    warmup: int = 10
-    min_lr_ratio: float = 0.1  # cosine from lr down to lr * this
+    warmup: int = 20
+    min_lr_ratio: float = 0.1  # cosine from lr down to lr * this at max_steps
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    eval_size: int = 256  # held-out sequences per kv count / n_pairs
+    precision: str = "fp32"  # fp32, or bf16 autocast (training only; evaluation is fp32)
+    compile: bool = False  # torch.compile the training forward
+    val_size: int = 256  # validation sequences per slice
+    test_size: int = 512  # test sequences per slice
+    controls: bool = True  # run the controls with the baseline
     # MQAR (zoology's multiquery_ar)
-    mqar_vocab: int = 32
-    mqar_seq_len: int = 16
-    mqar_kv: list = field(default_factory=lambda: [1, 2, 4])
+    mqar_vocab: int = 64
+    mqar_seq_len: int = 32
+    mqar_kv: list = field(default_factory=lambda: [2, 4, 8])
     power_a: float = 0.01
     # Ba's associative retrieval
-    ar_pairs: list = field(default_factory=lambda: [2, 4, 8])
+    ar_pairs: list = field(default_factory=lambda: [4, 8, 12])
 
     def check(self) -> None:
+        from memzoo.registry import layer_names
+
         bad = sorted(set(self.tasks) - set(TASKS))
         if bad or not self.tasks:
             raise ConfigError(f"toys.tasks: unknown or empty {bad or self.tasks}; valid tasks: {', '.join(TASKS)}")
@@ -128,28 +164,47 @@ class Settings:
         for n in self.ar_pairs:
             if not 1 <= n <= ar.MAX_PAIRS:
                 raise ConfigError(f"toys.ar_pairs: {n} is not in 1..{ar.MAX_PAIRS}")
-        if self.steps < 1 or self.batch_size < 1 or self.eval_size < 1 or self.n_layers < 1:
-            raise ConfigError("toys.steps, batch_size, eval_size and n_layers must be >= 1")
+        for name in ("max_steps", "batch_size", "val_size", "test_size", "n_layers", "seeds", "eval_every", "patience"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"toys.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.target <= 1 or self.min_delta < 0:
+            raise ConfigError(f"toys.target must be in (0, 1] and min_delta >= 0, got {self.target}, {self.min_delta}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ConfigError(f"toys.precision must be 'fp32' or 'bf16', got {self.precision!r}")
         if "mqar" in self.tasks and self.batch_size < len(self.mqar_kv):
             raise ConfigError(f"toys.batch_size={self.batch_size} cannot hold one sequence of each of the "
                               f"{len(self.mqar_kv)} mqar_kv counts")
         if any(not isinstance(w, int) or w < 1 for w in self.widths):
             raise ConfigError(f"toys.widths must be positive integers, got {self.widths}")
-        from memzoo.registry import layer_names
-
-        unknown = sorted(set(self.layer_options) - set(layer_names()))
+        for name, v in self.variants.items():
+            if not isinstance(v, dict) or set(v) - {"layer", "options"} or v.get("layer") not in layer_names():
+                raise ConfigError(f"toys.variants.{name} must be {{layer: <a registered layer>, options: {{...}}}}, got {v!r}")
+            if name in layer_names() or name in CONTROLS or name == BASELINE:
+                raise ConfigError(f"toys.variants: {name!r} is already a layer's or a control's name")
+        valid_lrs = [BASELINE, *CONTROLS, *layer_names(), *self.variants]
+        for name, valid in (("layer_options", layer_names()), ("layer_lrs", valid_lrs)):
+            unknown = sorted(set(getattr(self, name)) - set(valid))
+            if unknown:
+                raise ConfigError(f"toys.{name}: unknown layer(s) {unknown}; valid: {', '.join(valid)}")
+        if any(not lrs for lrs in self.layer_lrs.values()):
+            raise ConfigError("toys.layer_lrs: every layer needs at least one learning rate")
+        unknown = sorted(set(self.model) - set(ModelConfig.__dataclass_fields__))
         if unknown:
-            raise ConfigError(f"toys.layer_options: unknown layer(s) {unknown}; valid: {', '.join(layer_names())}")
+            raise ConfigError(f"toys.model: unknown backbone field(s) {unknown}")
+
+    def candidates(self, layer: str) -> list[float]:
+        return list(self.layer_lrs.get(layer, self.lrs))
 
 
 # ---- models --------------------------------------------------------------------------------
 
 
 def toy_config(preset, layer: str, width: int, vocab_size: int, s: Settings) -> ModelConfig:
-    """The preset's backbone scaled to `width` and `s.n_layers` blocks, with `layer` at `s.at`
-    and the preset's options for it, `s.layer_options[layer]` merged over them. (The preset's
-    own placement, e.g. "1,3", is for its deeper backbone, so `s.at` replaces it.)"""
-    b = preset.backbone
+    """The preset's backbone (with `s.model` over it) scaled to `width` and `s.n_layers` blocks,
+    with `layer` at `s.at` and the preset's options for it, `s.layer_options[layer]` merged over
+    them (the preset's placement, e.g. "1,3", is for its deeper backbone, so `s.at` replaces it).
+    The controls replace the mixers: attention with a short convolution, or none."""
+    b = {**preset.backbone, **s.model}
     ref = ModelConfig.from_dict(b)
     scale = width / ref.d_model
     base = {
@@ -161,49 +216,54 @@ def toy_config(preset, layer: str, width: int, vocab_size: int, s: Settings) -> 
         "gdn_head_dim": max(1, width // ref.gdn_heads),
         "attn_head_dim": max(1, width // ref.attn_heads),
     }
+    if layer == POSITIVE:
+        return ModelConfig.from_dict({**base, "layout": "FA", "attn_conv": ref.gdn_conv})
+    if layer == NEGATIVE:
+        return ModelConfig.from_dict({**base, "layout": "NONE"})
     if layer == BASELINE:
         return ModelConfig.from_dict(base)
+    variant = s.variants.get(layer, {})
+    layer = variant.get("layer", layer)
     spec = preset.layers.get(layer)
-    opts = {**(spec.options if spec else {}), **(s.layer_options.get(layer) or {})}
+    opts = {**(spec.options if spec else {}), **(s.layer_options.get(layer) or {}), **(variant.get("options") or {})}
     mixers = base.get("layout", "GDN").split("|")[0].strip()
     return ModelConfig.from_dict({**base, "layout": f"{mixers} | {layer}@{s.at}", "memory": {layer: opts}})
 
 
-def state_size(model: HybridLM) -> dict:
+def state_size(model: HybridLM, seq_len: int) -> dict:
     """Recurrent state of one sequence, in numbers (call after a forward so every memory has
-    its state): GDN matrices and memory fast weights."""
+    its state): GDN matrices, memory fast weights, attention's keys and values at `seq_len`."""
     gdn = sum(b.mixer.h * b.mixer.d * b.mixer.d for b in model.blocks if b.kind == "GDN")
+    kv = sum(2 * b.mixer.hkv * b.mixer.d * seq_len for b in model.blocks if b.kind in ("FA", "SWA", "FA-pSWA"))
     mem = sum(m.fast_weight_numel() for m in model.memories())
     shared = any(not m.per_sequence for m in model.memories())
-    return {"gdn_state": gdn, "mem_state": mem, "state_size": gdn + mem, "state_shared": shared}
+    return {"gdn_state": gdn, "kv_cache": kv, "mem_state": mem, "state_size": gdn + kv + mem, "state_shared": shared}
 
 
 # ---- data ----------------------------------------------------------------------------------
 
 
-def _ar_targets(b: ar.AssocBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ba's task as an LM batch: the answer is the prediction at the last position (the query)."""
-    t = torch.full_like(b.tokens, mqar.IGNORE)
-    t[:, -1] = b.answer
-    return b.tokens, t
-
-
 class Task:
-    """Training batches (a pure function of the generator) and the held-out sets of one task."""
+    """Training batches (a pure function of the generator), and the validation and test sets of
+    each slice (kv count or pairs), from generators of their own."""
 
-    def __init__(self, name: str, s: Settings, seed: int):
+    def __init__(self, name: str, s: Settings):
         self.name, self.s = name, s
         self.vocab = s.mqar_vocab if name == "mqar" else ar.VOCAB_SIZE
         self.slices = list(s.mqar_kv if name == "mqar" else s.ar_pairs)
-        # held-out sets: their own generators, never shared with training draws
-        self.held_out = {n: self._make(s.eval_size, n, torch.Generator().manual_seed(10_007 * (seed + 1) + n))
-                         for n in self.slices}
+        self.seq_len = s.mqar_seq_len if name == "mqar" else 2 * max(self.slices) + 3
+        self.chance = 2 / s.mqar_vocab if name == "mqar" else 1 / 10
+        self.val = {n: self._make(s.val_size, n, torch.Generator().manual_seed(7_919 + n)) for n in self.slices}
+        self.test = {n: self._make(s.test_size, n, torch.Generator().manual_seed(10_007 + n)) for n in self.slices}
 
     def _make(self, size: int, n: int, g: torch.Generator):
         s = self.s
         if self.name == "mqar":
             return tuple(mqar.make_batch(size, n, s.mqar_seq_len, s.mqar_vocab, s.power_a, g))
-        return _ar_targets(ar.make_batch(size, n, g))
+        b = ar.make_batch(size, n, g)  # the answer is the prediction at the last position (the query)
+        t = torch.full_like(b.tokens, mqar.IGNORE)
+        t[:, -1] = b.answer
+        return b.tokens, t
 
     def batch(self, step: int, g: torch.Generator):
         s = self.s
@@ -215,223 +275,347 @@ class Task:
 # ---- training and evaluation ---------------------------------------------------------------
 
 
-def train_one(
-    mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, device: str = "cpu", on_step=None
-) -> tuple[HybridLM, float]:
-    """AdamW, warmup then cosine, `s.steps` steps of memzoo's training step from seed `seed`
-    (the same initialisation and batches for every layer and lr); `on_step()` after each step.
-    Returns the model and the mean training loss of the last tenth of the steps."""
-    torch.manual_seed(seed)
-    model = HybridLM(mc).to(device)
-    tc = SimpleNamespace(lr=lr, min_lr=lr * s.min_lr_ratio, warmup=s.warmup, steps=s.steps, weight_decay=s.weight_decay)
-    groups = param_groups(model, tc)
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
-    train_step = make_step(model, opt, s.grad_clip)
-    g = torch.Generator().manual_seed(seed)
-    model.train()
-    tail = []
-    for step in range(s.steps):
-        x, y = (t.to(device) for t in task.batch(step, g))  # drawn on the CPU: the same data anywhere
-        loss = train_step([(x, y)], lr_at(step, tc))
-        if step >= s.steps - max(1, s.steps // 10):
-            tail.append(loss)
-        if on_step is not None:
-            on_step()
-    return model, sum(tail) / len(tail)
-
-
 @torch.no_grad()
-def evaluate(model: HybridLM, task: Task, chunk: int = 128) -> dict[int, float]:
-    """Accuracy on the labelled positions of each held-out set."""
+def evaluate(model: HybridLM, sets: dict, batch_size: int) -> dict[int, float]:
+    """Accuracy on the labelled positions of each set, in batches of the training batch size,
+    each batch starting from the model's persistent fast weights as they are now (restored
+    after)."""
+    was = model.training
     model.eval()
+    start = model.memory_state(persistent_only=True)
+    dev = model.embed.weight.device
     out = {}
-    for n, (x, y) in task.held_out.items():
+    for n, (x, y) in sets.items():
         hits = total = 0
-        dev = model.embed.weight.device
-        for i in range(0, len(x), chunk):
-            xc, yc = x[i : i + chunk].to(dev), y[i : i + chunk].to(dev)
+        for i in range(0, len(x), batch_size):
+            model.load_memory_state(start)
+            xc, yc = x[i : i + batch_size].to(dev), y[i : i + batch_size].to(dev)
             # targets as in training: layers that learn from them (FWL) see only earlier ones
             logits = model(xc, targets=yc).logits
             mask = yc != mqar.IGNORE
             hits += (logits.argmax(-1)[mask] == yc[mask]).sum().item()
             total += mask.sum().item()
         out[n] = hits / total
+    model.load_memory_state(start)
+    model.train(was)
     return out
 
 
+@dataclass
+class Fit:
+    model: HybridLM
+    val: float  # best validation accuracy (mean over slices)
+    steps: int  # training steps taken
+    stop: str  # solved | plateau | capped | diverged
+    train_loss: float  # mean of the last eval_every steps
+    tokens_per_s: float  # training tokens over the time of the training steps alone
+
+
+def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, device: str = "cpu",
+               on_step=None) -> Fit:
+    """Train one model from seed `seed` (the same initialisation and batches for every layer and
+    lr) until it converges or hits the cap (module docstring); `on_step()` after each step.
+    The model returned holds the weights of its best validation score."""
+    torch.manual_seed(seed)
+    model = HybridLM(mc).to(device)
+    tc = SimpleNamespace(lr=lr, min_lr=lr * s.min_lr_ratio, warmup=s.warmup, steps=s.max_steps,
+                         weight_decay=s.weight_decay)
+    opt = torch.optim.AdamW(param_groups(model, tc), lr=lr, betas=(0.9, 0.98))
+    train_step = make_step(model, opt, s.grad_clip, s.precision, s.compile)
+    g = torch.Generator().manual_seed(seed)
+    best, best_state, stale, stop = -1.0, None, 0, "capped"
+    losses, tokens, busy = [], 0, 0.0
+    model.train()
+    for step in range(s.max_steps):
+        x, y = (t.to(device) for t in task.batch(step, g))  # drawn on the CPU: the same data anywhere
+        t0 = time.perf_counter()
+        loss = train_step([(x, y)], lr_at(step, tc))
+        busy += time.perf_counter() - t0
+        tokens += x.numel()
+        losses.append(loss)
+        if on_step is not None:
+            on_step()
+        if not math.isfinite(loss):
+            stop = "diverged"
+            break
+        if (step + 1) % s.eval_every and step + 1 < s.max_steps:
+            continue
+        acc = evaluate(model, task.val, s.batch_size)
+        val = sum(acc.values()) / len(acc)
+        stale = 0 if val >= best + s.min_delta else stale + 1
+        if val > best:
+            best, best_state = val, copy.deepcopy(model.state_dict())
+        if val >= s.target:
+            stop = "solved"
+            break
+        if stale >= s.patience:
+            stop = "plateau"
+            break
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    tail = losses[-s.eval_every:]
+    return Fit(model, max(best, 0.0), step + 1, stop, sum(tail) / len(tail), tokens / max(busy, 1e-9))
+
+
+def cell_config(mc: ModelConfig, task: Task, s: Settings, layer: str) -> dict:
+    """Everything one cell's numbers depend on (its hash decides whether a resumed run skips it)."""
+    data = ({"vocab": s.mqar_vocab, "seq_len": s.mqar_seq_len, "kv": s.mqar_kv, "power_a": s.power_a}
+            if task.name == "mqar" else {"pairs": s.ar_pairs})
+    keep = ("max_steps", "eval_every", "patience", "min_delta", "target", "batch_size", "warmup", "min_lr_ratio",
+            "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size")
+    return {"model": mc.to_dict(), "task": task.name, "data": data, "lrs": s.candidates(layer),
+            "train": {k: getattr(s, k) for k in keep}, "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 2}
+
+
+def cells(ctx: Context, layer: str, s: Settings) -> list[str]:
+    """The models one layer's run trains: the layer and its variants, and with the baseline the
+    controls."""
+    variants = sorted(n for n, v in s.variants.items() if v["layer"] == layer)
+    return [layer, *variants, *(CONTROLS if layer == BASELINE and s.controls else ())]
+
+
 def work(ctx: Context, layer: str) -> int:
-    """Units of work for the progress bar: the training steps of one layer."""
+    """Units of work for the progress bar: the training steps of one layer at the cap (a cell
+    that stops early counts the rest at once)."""
     s = ctx.preset.settings(NAME, Settings)
-    return len(s.tasks) * len(s.widths) * len(s.lrs) * s.steps
+    per = len(s.tasks) * len(s.widths) * s.seeds * s.max_steps
+    return sum(per * len(s.candidates(m)) for m in cells(ctx, layer, s))
 
 
 def run(ctx: Context, layers: list[str]) -> list[dict]:
-    """Train and evaluate every (layer, task, width, lr); record one row per (layer, task, width)."""
+    """Train and evaluate every (layer, task, width, seed); one row each. With `ctx.resume`, a
+    cell already recorded with the same config and seed is skipped (its row is returned)."""
     s = ctx.preset.settings(NAME, Settings)
     s.check()
-    tasks = {t: Task(t, s, ctx.seed) for t in s.tasks}
+    tasks = {t: Task(t, s) for t in s.tasks}
     rows = []
     for layer in layers:
-        for tname, task in tasks.items():
-            for width in s.widths:
-                mc = toy_config(ctx.preset, layer, width, task.vocab, s)
-                t0 = time.perf_counter()
-                by_lr, best = {}, None  # best: (mean, lr, accuracy by slice, train loss, model)
-                for lr in s.lrs:
-                    doing = f"toys {layer} {tname} d={width} lr={lr:g}"
-                    model, loss = train_one(mc, task, lr, s, ctx.seed, ctx.device, lambda d=doing: ctx.advance(1, d))
-                    acc = evaluate(model, task)
-                    by_lr[lr] = mean = sum(acc.values()) / len(acc)
-                    if best is None or mean > best[0]:  # ties keep the earlier (smaller) lr
-                        best = (mean, lr, acc, loss, model)
-                mean, lr, acc, loss, model = best
-                x, y = task.held_out[task.slices[0]]
-                with torch.no_grad():  # a forward, so that every memory holds its state
-                    model(x[:2].to(ctx.device), targets=y[:2].to(ctx.device))
-                metrics = {
-                    "accuracy": round(mean, 4),
-                    "acc_by_kv": {str(n): round(a, 4) for n, a in acc.items()},
-                    "best_lr": lr,
-                    "acc_by_lr": {f"{k:g}": round(v, 4) for k, v in by_lr.items()},
-                    "train_loss": round(loss, 4),
-                    **state_size(model),
-                    "params": sum(p.numel() for p in model.parameters()),
-                    "steps": s.steps,
-                }
-                setting = {"task": tname, "d_model": width}
-                config = {
-                    "model": mc.to_dict(),
-                    "settings": dataclasses.asdict(s),
-                    "train": {"optimizer": "AdamW", "betas": [0.9, 0.98], "schedule": "warmup+cosine", "seed": ctx.seed},
-                }
-                rows.append(ctx.record(NAME, layer, setting, metrics, config, time.perf_counter() - t0))
-                if ctx.progress:
-                    tqdm.write(f"toys {layer:>8} {tname:>4} d={width:<4} acc {mean:.3f} (lr {lr:g}) "
-                               f"state {metrics['state_size']}")
+        for name in cells(ctx, layer, s):
+            for tname, task in tasks.items():
+                for width in s.widths:
+                    mc = toy_config(ctx.preset, name, width, task.vocab, s)
+                    config = cell_config(mc, task, s, name)
+                    setting = {"task": tname, "d_model": width}
+                    for seed in range(ctx.seed, ctx.seed + s.seeds):
+                        done = ctx.recorded(NAME, name, setting, config, seed)
+                        if done is not None:
+                            rows.append(done)
+                            ctx.advance(s.max_steps * len(s.candidates(name)), f"toys {name} (recorded)")
+                            continue
+                        rows.append(_cell(ctx, name, task, width, mc, config, setting, s, seed))
     return rows
+
+
+def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, setting: dict, s: Settings,
+          seed: int) -> dict:
+    t0 = time.perf_counter()
+    fits = {}
+    for lr in s.candidates(layer):
+        doing = f"toys {layer} {task.name} d={width} seed {seed} lr={lr:g}"
+        taken = []
+        fits[lr] = fit = train_cell(mc, task, lr, s, seed, ctx.device, lambda d=doing: (taken.append(1), ctx.advance(1, d)))
+        ctx.advance(s.max_steps - len(taken), doing)  # the steps an early stop saved
+    lr = max(fits, key=lambda k: fits[k].val)  # ties: the first candidate
+    fit = fits[lr]
+    acc = evaluate(fit.model, task.test, s.batch_size)
+    x, y = task.test[task.slices[0]]
+    with torch.no_grad():  # a forward, so that every memory holds its state
+        fit.model.eval()(x[:2].to(ctx.device), targets=y[:2].to(ctx.device))
+    metrics = {
+        "accuracy": round(sum(acc.values()) / len(acc), 4),
+        "acc_by_kv": {str(n): round(a, 4) for n, a in acc.items()},
+        "val_accuracy": round(fit.val, 4),
+        "lr": lr,
+        "val_by_lr": {f"{k:g}": round(f.val, 4) for k, f in fits.items()},
+        "steps": fit.steps,
+        "stop": fit.stop,
+        "converged": fit.stop in ("solved", "plateau"),
+        "train_loss": round(fit.train_loss, 4),
+        "tokens_per_s": round(fit.tokens_per_s),
+        "chance": task.chance,
+        **state_size(fit.model, task.seq_len),
+        "params": sum(p.numel() for p in fit.model.parameters()),
+    }
+    row = ctx.record(NAME, layer, setting, metrics, config, time.perf_counter() - t0, seed=seed)
+    if ctx.progress:
+        tqdm.write(f"toys {layer:>14} {task.name:>4} d={width:<4} seed {seed}: test {metrics['accuracy']:.3f} "
+                   f"(val {fit.val:.3f}, lr {lr:g}, {fit.steps} steps, {fit.stop})")
+    return row
 
 
 # ---- rendering -----------------------------------------------------------------------------
 
 ACC = "metrics.acc_by_kv."
-LRS = "metrics.acc_by_lr."
 
 
-def _order(df):
-    """Rows sorted baseline first, then by layer name, then preset, task and width."""
-    key = df["layer"].map(lambda n: (n != BASELINE, n))
-    by = ["_k", "preset", "setting.task", "setting.d_model"]
-    return df.assign(_k=key).sort_values(by, kind="stable").drop(columns="_k")
+def _slices(df) -> list[str]:
+    """The acc_by_kv columns that hold a value in df, in numeric order."""
+    cols = [c for c in df.columns if c.startswith(ACC) and df[c].notna().any()]
+    return sorted(cols, key=lambda c: float(c[len(ACC):]))
 
 
-def _slices(df, prefix: str) -> list[str]:
-    """The columns `prefix + number` that hold a value in df, in numeric order."""
-    cols = [c for c in df.columns if c.startswith(prefix) and df[c].notna().any()]
-    return sorted(cols, key=lambda c: float(c[len(prefix):]))
+def _order(names) -> list[str]:
+    """Baseline, the layers by name, then the controls."""
+    return [n for n in layer_order(names) if n not in CONTROLS] + [c for c in CONTROLS if c in set(names)]
 
 
-def _head(d) -> dict:
-    """layer (and preset, where rows come from several) and d_model columns."""
-    import pandas as pd
+def _fmt(vals, ref=None) -> str:
+    """'mean ± half' of a 95% t-interval; ▲/▼ where it lies wholly above/below `ref`'s."""
+    m, h = mean_ci(vals)
+    mark = ""
+    if ref is not None and len(vals) > 1:
+        rm, rh = mean_ci(ref)
+        mark = " ▲" if m - h > rm + rh else " ▼" if m + h < rm - rh else ""
+    return f"{m:.3f} ± {h:.3f}{mark}" if len(vals) > 1 else f"{m:.3f}"
 
-    cols = {"layer": d["layer"].values}
-    if d["preset"].nunique() > 1:
-        cols["preset"] = d["preset"].values
-    cols["d_model"] = d["setting.d_model"].astype(int).values
-    return pd.DataFrame(cols)
+
+def validity(df, task: str) -> list[str]:
+    """What makes the harness invalid for `task` (empty: valid): the positive control below the
+    target on the easiest slice in some seed, or the negative control above twice chance."""
+    d = df[df["setting.task"] == task]
+    out = []
+    pos, neg = d[d["layer"] == POSITIVE], d[d["layer"] == NEGATIVE]
+    if pos.empty or neg.empty:
+        return ["the controls were not run (toys.controls)"]
+    easiest = _slices(d)[0]
+    for w, g in pos.groupby("setting.d_model"):
+        worst = g[easiest].min()
+        if worst < 0.99:
+            out.append(f"the positive control reaches only {worst:.3f} at {TITLES[task][1]}={easiest[len(ACC):]}, d={w}")
+    for w, g in neg.groupby("setting.d_model"):
+        acc, chance = g["metrics.accuracy"].mean(), g["metrics.chance"].iloc[0]
+        if acc > 2 * chance:
+            out.append(f"the negative control is at {acc:.3f}, above twice chance ({chance:.3f}) at d={w}")
+    return out
 
 
 def _task_table(df, task: str, slice_name: str):
-    d = _order(df[df["setting.task"] == task])
-    out = _head(d)
-    out["state"] = d["metrics.state_size"].astype(int).values
-    for c in _slices(d, ACC):
-        out[f"{slice_name}={c[len(ACC):]}"] = d[c].round(3).values
-    out["mean"] = d["metrics.accuracy"].round(3).values
-    out["best lr"] = d["metrics.best_lr"].map(lambda x: f"{x:g}").values
-    return out.reset_index(drop=True)
+    import pandas as pd
+
+    d = df[df["setting.task"] == task]
+    base = d[d["layer"] == BASELINE]
+    recs = []
+    for layer in _order(d["layer"]):
+        for w in sorted(d["setting.d_model"].unique()):
+            g = d[(d["layer"] == layer) & (d["setting.d_model"] == w)].sort_values("seed")
+            if g.empty:
+                continue
+            b = base[base["setting.d_model"] == w]
+            b = None if layer == BASELINE or b.empty else b
+            ref = lambda c: None if b is None else list(b[c].dropna())  # noqa: E731
+            rec = {"layer": layer, "d_model": int(w), "seeds": len(g)}
+            if "preset" in g and d["preset"].nunique() > 1:
+                rec["preset"] = g["preset"].iloc[0]
+            for c in _slices(d):
+                rec[f"{slice_name}={c[len(ACC):]}"] = _fmt(list(g[c].dropna()), ref(c))
+            rec["mean"] = _fmt(list(g["metrics.accuracy"]), ref("metrics.accuracy"))
+            rec["steps (max)"] = f"{int(g['metrics.steps'].median())} ({int(g['metrics.steps'].max())})"
+            stops = g["metrics.stop"].value_counts()
+            rec["stop"] = ", ".join(f"{n} {k}" for k, n in sorted(stops.items()))
+            rec["lr"] = ", ".join(sorted({f"{v:g}" for v in g["metrics.lr"]}))
+            rec["state"] = int(g["metrics.state_size"].iloc[0])
+            recs.append(rec)
+    return pd.DataFrame(recs)
+
+
+TITLES = {"mqar": ("MQAR test accuracy by key-value pairs", "kv"),
+          "ar": ("Ba's associative retrieval test accuracy by pairs", "pairs")}
 
 
 def tables(df) -> dict:
-    """MQAR accuracy by kv pairs, Ba's task by pairs (both with the state size and best lr),
-    the state and parameters per layer and width, and every learning rate's mean accuracy."""
+    """Per task: test accuracy by slice (mean ± 95% interval over seeds, ▲/▼ against the
+    baseline), steps and stops, chosen lr and state size; then the state and parameters per
+    model. A task whose controls fail shows the controls only, under a title that says so."""
+    import pandas as pd
+
     out = {}
-    tasks = set(df["setting.task"])
-    if "mqar" in tasks:
-        out["MQAR accuracy by key-value pairs (best lr)"] = _task_table(df, "mqar", "kv")
-    if "ar" in tasks:
-        out["Ba's associative retrieval accuracy by pairs (best lr)"] = _task_table(df, "ar", "pairs")
-    # the state does not depend on the task (only the vocabulary, hence params, does): one task's rows
-    first = "mqar" if "mqar" in tasks else sorted(tasks)[0]
-    d = _order(df[df["setting.task"] == first])
-    st = _head(d)
-    st["GDN state"] = d["metrics.gdn_state"].astype(int).values
-    st["memory state"] = d["metrics.mem_state"].astype(int).values
-    st["total"] = d["metrics.state_size"].astype(int).values
-    st["memory shared by the batch"] = d["metrics.state_shared"].map(lambda x: "yes" if x else "no").values
-    st[f"params ({first})"] = d["metrics.params"].astype(int).values
-    out["Recurrent state per sequence (numbers)"] = st.reset_index(drop=True)
-    d = _order(df)
-    sweep = _head(d)
-    sweep.insert(len(sweep.columns) - 1, "task", d["setting.task"].values)
-    for c in _slices(d, LRS):
-        sweep[f"lr={c[len(LRS):]}"] = d[c].round(3).values
-    out["Mean accuracy per learning rate"] = sweep.reset_index(drop=True)
+    for task in [t for t in TASKS if t in set(df["setting.task"])]:
+        title, sl = TITLES[task]
+        t = _task_table(df, task, sl)
+        bad = validity(df, task)
+        if bad:
+            title = f"HARNESS INVALID for {task} ({'; '.join(bad)}): layer rows withheld; the controls"
+            t = t[t["layer"].isin(CONTROLS)]
+        out[title] = t.reset_index(drop=True)
+    first = df.sort_values("seed").groupby(["layer", "setting.task", "setting.d_model"], as_index=False).first()
+    first = first[first["setting.task"] == next(t for t in TASKS if t in set(first["setting.task"]))]
+    order = {n: i for i, n in enumerate(_order(first["layer"]))}
+    first = first.assign(_k=first["layer"].map(order)).sort_values(["_k", "setting.d_model"])
+    out["Recurrent state per sequence (numbers) and parameters"] = pd.DataFrame({
+        "layer": first["layer"].values,
+        "d_model": first["setting.d_model"].astype(int).values,
+        "GDN state": first["metrics.gdn_state"].astype(int).values,
+        "KV cache": first.get("metrics.kv_cache", pd.Series(0, index=first.index)).fillna(0).astype(int).values,
+        "memory state": first["metrics.mem_state"].astype(int).values,
+        "total": first["metrics.state_size"].astype(int).values,
+        "memory shared by the batch": first["metrics.state_shared"].map(lambda x: "yes" if x else "no").values,
+        f"params ({first['setting.task'].iloc[0]})": first["metrics.params"].astype(int).values,
+        "train tokens/s": first["metrics.tokens_per_s"].astype(int).values,
+    })
     return out
 
 
 def figures(df, out_dir: Path) -> list[Path]:
-    """toys_mqar_capacity.png (MQAR accuracy vs state size: a line per layer through its
-    widths) and toys_mqar_by_kv.png (accuracy vs kv pairs, a panel per width)."""
+    """toys_mqar_capacity.png: MQAR test accuracy against kv pairs, a line per model with its
+    95% interval, a panel per width. toys_mqar_state.png: mean accuracy against the recurrent
+    state per sequence (a point per width; the attention control's state is its KV cache).
+    A task whose controls fail is not drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import pandas as pd
     import seaborn as sns
 
-    m = _order(df[df["setting.task"] == "mqar"])
-    if m.empty:
+    m = df[df["setting.task"] == "mqar"]
+    if m.empty or validity(df, "mqar"):
         return []
-    order = layer_order(m["layer"])
+    order = _order(m["layer"])
     palette = dict(zip(order, sns.color_palette("tab10", len(order))))
-    style = "preset" if m["preset"].nunique() > 1 else None
+    widths = sorted(int(w) for w in m["setting.d_model"].unique())
+    kvs = [int(c[len(ACC):]) for c in _slices(m)]
     paths = []
 
-    cap = pd.DataFrame({"layer": m["layer"].values, "preset": m["preset"].values,
-                        "state": m["metrics.state_size"].astype(float).values,
-                        "accuracy": m["metrics.accuracy"].astype(float).values})
-    cap["d_model"] = m["setting.d_model"].astype(int).values
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    sns.lineplot(data=cap, x="state", y="accuracy", hue="layer", hue_order=order, palette=palette, style=style,
-                 marker="o", sort=True, errorbar=None, ax=ax)
-    for r in cap.itertuples():  # which width each point is
-        ax.annotate(f"d={r.d_model}", (r.state, r.accuracy), xytext=(4, -10), textcoords="offset points",
-                    fontsize=7, color=palette[r.layer])
-    ax.set_xscale("log")
-    ax.set_ylim(0, 1.02)
-    ax.set_xlabel("recurrent state per sequence (numbers, log scale)")
-    ax.set_ylabel("MQAR accuracy (mean over kv counts)")
-    ax.set_title("MQAR capacity curves")
-    fig.tight_layout()
-    paths.append(save_png(fig, Path(out_dir) / "toys_mqar_capacity.png"))
-
-    long = pd.DataFrame([
-        {"layer": r["layer"], "preset": r["preset"], "d_model": int(r["setting.d_model"]),
-         "kv pairs": int(c[len(ACC):]), "accuracy": float(r[c])}
-        for _, r in m.iterrows() for c in _slices(m, ACC) if pd.notna(r[c])
-    ])
-    widths = sorted(long["d_model"].unique())
-    fig, axes = plt.subplots(1, len(widths), figsize=(4.5 * len(widths), 4), sharey=True, squeeze=False)
-    kvs = sorted(long["kv pairs"].unique())
-    for i, (ax, w) in enumerate(zip(axes[0], widths)):
-        sns.lineplot(data=long[long["d_model"] == w], x="kv pairs", y="accuracy", hue="layer", hue_order=order,
-                     palette=palette, style=style, marker="o", errorbar=None, legend=i == 0, ax=ax)
+    fig, axes = plt.subplots(1, len(widths), figsize=(4.8 * len(widths), 4), sharey=True, squeeze=False)
+    for ax, w in zip(axes[0], widths):
+        for layer in order:
+            g = m[(m["layer"] == layer) & (m["setting.d_model"] == w)]
+            if g.empty:
+                continue
+            stats = [mean_ci(list(g[f"{ACC}{k}"].dropna())) for k in kvs]
+            ax.errorbar(kvs, [a for a, _ in stats], yerr=[h for _, h in stats], label=layer, marker="o", capsize=3,
+                        color=palette[layer], linestyle="--" if layer in CONTROLS else "-")
+        ax.axhline(0.5, color="grey", lw=0.6, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xticks(kvs, [str(k) for k in kvs])
         ax.minorticks_off()
         ax.set_ylim(0, 1.02)
-        ax.set_title(f"MQAR accuracy by kv pairs, d_model={w}")
+        ax.set_xlabel("key-value pairs")
+        ax.set_title(f"MQAR, d_model={w}")
+    axes[0][0].set_ylabel("test accuracy (mean, 95% interval)")
+    axes[0][-1].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
-    paths.append(save_png(fig, Path(out_dir) / "toys_mqar_by_kv.png"))
+    paths.append(save_png(fig, Path(out_dir) / "toys_mqar_capacity.png"))
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for layer in order:
+        g = m[m["layer"] == layer]
+        pts = []
+        for w in widths:
+            gw = g[g["setting.d_model"] == w]
+            if not gw.empty:
+                pts.append((float(gw["metrics.state_size"].iloc[0]), *mean_ci(list(gw["metrics.accuracy"])), w))
+        if pts:
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], label=layer, marker="o",
+                        capsize=3, color=palette[layer], linestyle="--" if layer in CONTROLS else "-")
+            for x, y, _, w in pts:
+                ax.annotate(f"d={w}", (x, y), xytext=(4, -10), textcoords="offset points", fontsize=7,
+                            color=palette[layer])
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("recurrent state per sequence (numbers, log scale)")
+    ax.set_ylabel("MQAR test accuracy (mean over kv counts)")
+    ax.set_title("MQAR accuracy against state size")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(save_png(fig, Path(out_dir) / "toys_mqar_state.png"))
     return paths

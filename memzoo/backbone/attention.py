@@ -5,6 +5,11 @@
     o         = W_o (softmax(q kᵀ / √d + mask) v  ⊙  sigmoid(gate))
 
 The mask is causal; with a window w a query at t sees keys t-w < s <= t (SWA, w = 512).
+With `conv_size` c > 0 (`model.attn_conv`; 0 in the paper's models), q, k and v first pass a
+causal depthwise convolution of size c with SiLU, the short convolution of GDN: each key then
+also holds the tokens just before it, so one layer can bind a key to the next value (an
+induction head). The toys' positive control is this attention, as Zoology pairs its attention
+with a short convolution (`Hybrid([BaseConv, MHA])`) for the same reason.
 FA-pSWA (Sec. 4.2, Finding 3): during training each call uses the window with
 probability p (0.9 in the paper), full attention otherwise; evaluation is always full.
 
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.backbone.ffn import RMSNorm
+from memzoo.backbone.gdn import ShortConv
 
 
 def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
@@ -43,6 +49,7 @@ class GatedAttention(nn.Module):
         p_window: float = 1.0,
         rope_theta: float = 10000.0,
         norm_eps: float = 1e-5,
+        conv_size: int = 0,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -55,6 +62,8 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, d_model, bias=False)
         self.q_norm = RMSNorm(head_dim, norm_eps)
         self.k_norm = RMSNorm(head_dim, norm_eps)
+        widths = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+        self.convs = nn.ModuleList(ShortConv(w, conv_size) for w in widths) if conv_size else None
 
     def _window_now(self) -> int | None:
         if self.window is None:
@@ -70,6 +79,13 @@ class GatedAttention(nn.Module):
         q, gate = qg.split(self.d, dim=-1)
         k = self.k_proj(x).view(B, T, self.hkv, self.d)
         v = self.v_proj(x).view(B, T, self.hkv, self.d)
+        conv_cache = {}
+        if self.convs is not None:
+            qkv = []
+            for name, t, conv in zip(("conv_q", "conv_k", "conv_v"), (q, k, v), self.convs):
+                y, conv_cache[name] = conv(t.reshape(B, T, -1), None if cache is None else cache[name])
+                qkv.append(y.view_as(t))
+            q, k, v = qkv
         q, k, v = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
 
         past = 0 if cache is None else cache["pos"]
@@ -95,5 +111,5 @@ class GatedAttention(nn.Module):
 
         # the cache keeps what a later query may still see: everything (FA) or the last w-1 keys
         keep = L if self.window is None or self.p_window < 1.0 else min(L, self.window - 1)
-        new_cache = {"k": k[:, :, L - keep :].detach(), "v": v[:, :, L - keep :].detach(), "pos": past + T}
+        new_cache = {"k": k[:, :, L - keep :].detach(), "v": v[:, :, L - keep :].detach(), "pos": past + T, **conv_cache}
         return y, new_cache

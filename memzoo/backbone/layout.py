@@ -2,7 +2,7 @@
 
     layout   := mixers [ "|" memories ]
     mixers   := MIXER [ "+" MIXER ]            A+B interleaves A:B at 3:1 (B at every 4th layer)
-    MIXER    := GDN | SWA | FA | FA-pSWA       (case-insensitive)
+    MIXER    := GDN | SWA | FA | FA-pSWA | NONE (case-insensitive; NONE: no token mixer)
     memories := item { "+" item }
     item     := NAME "@" where | NAME          NAME: any registered MemoryLayer
     where    := "all" | "last" | INT { "," INT }
@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-MIXERS = ("GDN", "SWA", "FA", "FA-pSWA")
+MIXERS = ("GDN", "SWA", "FA", "FA-pSWA", "NONE")
 _CANON = {m.lower(): m for m in MIXERS}
 
 

@@ -2,7 +2,7 @@
 
 Block i (pre-norm residual, Qwen3-Next style; Sec. 4.1 of the FwPKM paper):
 
-    h = h + Mixer_i(RMSNorm(h))                 GDN, SWA or FA (the layout's A+B at 3:1)
+    h = h + Mixer_i(RMSNorm(h))                 GDN, SWA or FA (the layout's A+B at 3:1); NONE: no mixer
     h = h + Mem(RMSNorm(h))   for each memory   inserted between the mixer and the FFN
     h = h + FFN_i(RMSNorm(h))                   SwiGLU, or PKM where the layout puts one
 
@@ -68,13 +68,23 @@ class MemzooConfig(PretrainedConfig):
         return cls(**mc.to_dict())
 
 
+class NoMixer(nn.Module):
+    """Mixes nothing: a block of "NONE" is its FFN (and memories) alone. A backbone of them sees
+    each token by itself, the toys' negative control."""
+
+    def forward(self, x: Tensor, cache: dict | None = None) -> tuple[Tensor, dict]:
+        return torch.zeros_like(x), {}
+
+
 def build_mixer(kind: str, c: ModelConfig) -> nn.Module:
+    if kind == "NONE":
+        return NoMixer()
     if kind == "GDN":
         return GatedDeltaNet(c.d_model, c.gdn_heads, c.gdn_head_dim, c.gdn_conv, c.gdn_chunk, c.norm_eps)
     window = {"FA": None, "SWA": c.window, "FA-pSWA": c.window}[kind]
     p = c.p_window if kind == "FA-pSWA" else 1.0
     return GatedAttention(
-        c.d_model, c.attn_heads, c.attn_kv_heads, c.attn_head_dim, window, p, c.rope_theta, c.norm_eps
+        c.d_model, c.attn_heads, c.attn_kv_heads, c.attn_head_dim, window, p, c.rope_theta, c.norm_eps, c.attn_conv
     )
 
 
