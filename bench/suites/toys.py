@@ -18,10 +18,13 @@ Protocol, per cell (layer, task, width, seed):
    (kv count or pairs) come from generators of their own, the same for every layer and seed.
 2. *Training to convergence.* AdamW, warmup then cosine to ``min_lr_ratio`` × lr at
    ``max_steps`` (the cap). Every ``eval_every`` steps the model is scored on the validation
-   sets (mean over slices); training stops when that reaches ``target`` (*solved*) or has not
-   gained ``min_delta`` for ``patience`` evaluations (*plateau*); otherwise the cap stops it
-   (*capped*: marked in every table, such a cell did not converge). The model kept is the one of
-   the best validation score.
+   sets (mean over slices); training stops when that reaches ``target`` (*solved*) or, from
+   ``min_steps`` on, has not gained ``min_delta`` for ``patience`` evaluations (*plateau*);
+   otherwise the cap stops it (*capped*: marked in every table, such a cell did not converge).
+   The model kept is the one of the best validation score. ``min_steps`` is there because MQAR
+   is learned in a sudden transition after a long flat phase at chance: the 2-layer GDN of
+   width 64 sat at chance for 450-1800 steps depending on the seed in our runs, and a plateau
+   rule alone stopped one seed at 650 steps that another seed learned at 1800.
 3. *Learning rate on validation.* Each candidate of ``lrs`` (or the layer's own list in
    ``layer_lrs``: tuned once, recorded in the preset) is trained; the best validation score picks
    one; only then are the test sets scored. No test number ever chooses anything.
@@ -127,6 +130,7 @@ class Settings:
     max_steps: int = 1000  # the cap
     eval_every: int = 50
     patience: int = 6  # evaluations without a gain of min_delta: plateau
+    min_steps: int = 500  # no plateau stop before this step (the flat phase before MQAR is learned)
     min_delta: float = 0.005
     target: float = 0.99  # validation accuracy that counts as solved
     batch_size: int = 32
@@ -164,7 +168,8 @@ class Settings:
         for n in self.ar_pairs:
             if not 1 <= n <= ar.MAX_PAIRS:
                 raise ConfigError(f"toys.ar_pairs: {n} is not in 1..{ar.MAX_PAIRS}")
-        for name in ("max_steps", "batch_size", "val_size", "test_size", "n_layers", "seeds", "eval_every", "patience"):
+        for name in ("max_steps", "batch_size", "val_size", "test_size", "n_layers", "seeds", "eval_every", "patience",
+                     "min_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"toys.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.target <= 1 or self.min_delta < 0:
@@ -348,7 +353,7 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
         if val >= s.target:
             stop = "solved"
             break
-        if stale >= s.patience:
+        if stale >= s.patience and step + 1 >= s.min_steps:
             stop = "plateau"
             break
     if best_state is not None:
@@ -361,7 +366,7 @@ def cell_config(mc: ModelConfig, task: Task, s: Settings, layer: str) -> dict:
     """Everything one cell's numbers depend on (its hash decides whether a resumed run skips it)."""
     data = ({"vocab": s.mqar_vocab, "seq_len": s.mqar_seq_len, "kv": s.mqar_kv, "power_a": s.power_a}
             if task.name == "mqar" else {"pairs": s.ar_pairs})
-    keep = ("max_steps", "eval_every", "patience", "min_delta", "target", "batch_size", "warmup", "min_lr_ratio",
+    keep = ("max_steps", "min_steps", "eval_every", "patience", "min_delta", "target", "batch_size", "warmup", "min_lr_ratio",
             "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size")
     return {"model": mc.to_dict(), "task": task.name, "data": data, "lrs": s.candidates(layer),
             "train": {k: getattr(s, k) for k in keep}, "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 2}

@@ -241,7 +241,8 @@ class FwPKM(MemoryLayer):
                 flat.index_add_(0, rows, delta)  # in place: O(rows touched), not O(N)
             new["values"] = flat.view_as(values)
             self._note_write(idx_w, B, Tw)
-        self._pos += T
+        if not torch.compiler.is_compiling():  # diagnostics stay out of compiled graphs
+            self._pos += T
         return new
 
     def _key_grad(self, q, ok, lk: Lookup, tgt, lw, state: State) -> Tensor:
@@ -310,7 +311,10 @@ class FwPKM(MemoryLayer):
     def _note_read(self, idx: Tensor, w: Tensor, g: Tensor | None, append: bool = False) -> None:
         """Record a read for stats(): slots hit since reset_stats(), and the last call's slots,
         weights, gates and the writers of the slots read (`append`: a later chunk of the same
-        call, concatenated along time so the trace covers the whole call)."""
+        call, concatenated along time so the trace covers the whole call). Not kept under
+        torch.compile (they would cost a recompilation per chunk)."""
+        if torch.compiler.is_compiling():
+            return
         rows = self.N * (idx.shape[0] if self.per_sequence else 1)
         if self._hits is None or self._hits.numel() != rows or self._hits.device != idx.device:
             self._hits = torch.zeros(rows, dtype=torch.bool, device=idx.device)
@@ -327,6 +331,8 @@ class FwPKM(MemoryLayer):
 
     @torch.no_grad()
     def _note_write(self, idx_w: Tensor, B: int, Tw: int) -> None:
+        if torch.compiler.is_compiling():  # as _note_read
+            return
         rows = self.N * (B if self.per_sequence else 1)
         if self._writer is None or self._writer.shape[0] != rows or self._writer.device != idx_w.device:
             # who wrote each slot last: stream position and batch row (-1: not since reset)
