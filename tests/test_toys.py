@@ -241,3 +241,11 @@ def test_evaluation_leaves_persistent_memories_as_they_were(tmp_path):
     after = model.memory_state(persistent_only=True)
     assert all(torch.equal(x[k], y[k]) for x, y in zip(before, after) for k in x)
     assert toys.evaluate(model, task.val, s.batch_size) == a  # and so it is repeatable
+
+
+def test_fwpkm_sharing_experiment_names_its_forms():
+    from memzoo.bench.experiments import fwpkm_sharing
+
+    assert set(fwpkm_sharing.FORMS) >= {"gdn", "per_sequence", "shared"}
+    with pytest.raises(SystemExit, match="unknown form"):
+        fwpkm_sharing.main(["sharde"])

@@ -1,0 +1,58 @@
+"""Why FwPKM made MQAR recall worse than no memory: its memory shared by the batch.
+
+The diagnosis behind the toys suite's FwPKM setting (see bench/suites/toys.py): MQAR at a
+CPU-sized Zoology scale (64 tokens, vocabulary 256, 4/8/16 pairs, batch 64, width 64, lr 3e-3,
+800 steps, seed 0, validation-free: the model after the last step), the 2-layer GDN alone and
+with FwPKM (64² slots of dim 64, top-8, chunk 8) in its last block, in the forms below. Each
+form is one training on one thread (about 5 minutes)::
+
+    python -m memzoo.bench.experiments.fwpkm_sharing              # all forms
+    python -m memzoo.bench.experiments.fwpkm_sharing shared gdn   # some
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+FORMS = {
+    "gdn": None,  # no memory
+    "per_sequence": {"per_sequence": True},  # the paper's addressing loss, weight 10
+    "per_sequence_addr1": {"per_sequence": True, "addr_loss_weight": 1.0},
+    "per_sequence_no_addr": {"per_sequence": True, "addr_loss": False},
+    "shared": {"per_sequence": False},  # as the paper trains FwPKM on text
+}
+
+
+def run(form: str) -> dict:
+    from memzoo.bench.common import load_preset
+    from memzoo.bench.suites import toys
+
+    opts = FORMS[form]
+    layer = "baseline" if opts is None else "fwpkm"
+    fw = {"key_dim": 64, "value_dim": 64, "n_subkeys": 64, "chunk_size": 8, **(opts or {})}
+    s = toys.Settings(mqar_vocab=256, mqar_seq_len=64, mqar_kv=[4, 8, 16], batch_size=64, max_steps=800,
+                      eval_every=800, warmup=50, lrs=[3e-3], val_size=256, test_size=256, layer_options={"fwpkm": fw})
+    task = toys.Task("mqar", s)
+    mc = toys.toy_config(load_preset("tiny"), layer, 64, task.vocab, s)
+    fit = toys.train_cell(mc, task, 3e-3, s, seed=0)
+    acc = toys.evaluate(fit.model, task.test, s.batch_size)
+    return {"form": form, "test_acc_by_kv": {k: round(v, 3) for k, v in acc.items()},
+            "train_loss": round(fit.train_loss, 3)}
+
+
+def main(argv=None) -> None:
+    forms = (argv if argv is not None else sys.argv[1:]) or list(FORMS)
+    unknown = [f for f in forms if f not in FORMS]
+    if unknown:
+        raise SystemExit(f"unknown form(s) {unknown}; forms: {', '.join(FORMS)}")
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    for f in forms:
+        print(json.dumps(run(f)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
