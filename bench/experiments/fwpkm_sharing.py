@@ -2,7 +2,7 @@
 
 The diagnosis behind the toys suite's FwPKM setting (see bench/suites/toys.py): MQAR at a
 CPU-sized Zoology scale (64 tokens, vocabulary 256, 4/8/16 pairs, batch 64, width 64, lr 3e-3,
-800 steps, seed 0, validation-free: the model after the last step), the 2-layer GDN alone and
+800 steps, seed 0, GDN chunk 64, validation-free: the model after the last step), the 2-layer GDN alone and
 with FwPKM (64² slots of dim 64, top-8, chunk 8) in its last block, in the forms below. Each
 form is one training on one thread (about 5 minutes)::
 
@@ -34,7 +34,8 @@ def run(form: str) -> dict:
     layer = "baseline" if opts is None else "fwpkm"
     fw = {"key_dim": 64, "value_dim": 64, "n_subkeys": 64, "chunk_size": 8, **(opts or {})}
     s = toys.Settings(mqar_vocab=256, mqar_seq_len=64, mqar_kv=[4, 8, 16], batch_size=64, max_steps=800,
-                      eval_every=800, warmup=50, lrs=[3e-3], val_size=256, test_size=256, layer_options={"fwpkm": fw})
+                      eval_every=800, warmup=50, lrs=[3e-3], val_size=256, test_size=256, layer_options={"fwpkm": fw},
+                      model={"gdn_chunk": 64})
     task = toys.Task("mqar", s)
     mc = toys.toy_config(load_preset("tiny"), layer, 64, task.vocab, s)
     fit = toys.train_cell(mc, task, 3e-3, s, seed=0)
