@@ -398,7 +398,7 @@ def cell_config(mc: ModelConfig, task: Task, s: Settings, layer: str) -> dict:
             "train": {k: getattr(s, k) for k in keep}, "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 2}
 
 
-def cells(ctx: Context, layer: str, s: Settings) -> list[str]:
+def cells(layer: str, s: Settings) -> list[str]:
     """The models one layer's run trains: the layer and its variants, and with the baseline the
     controls."""
     variants = sorted(n for n, v in s.variants.items() if v["layer"] == layer)
@@ -410,7 +410,7 @@ def work(ctx: Context, layer: str) -> int:
     that stops early counts the rest at once)."""
     s = ctx.preset.settings(NAME, Settings)
     per = len(s.tasks) * len(s.widths) * s.seeds * s.max_steps
-    return sum(per * len(s.candidates(m)) for m in cells(ctx, layer, s))
+    return sum(per * len(s.candidates(m)) for m in cells(layer, s))
 
 
 def run(ctx: Context, layers: list[str]) -> list[dict]:
@@ -421,7 +421,7 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
     tasks = {t: Task(t, s) for t in s.tasks}
     rows = []
     for layer in layers:
-        for name in cells(ctx, layer, s):
+        for name in cells(layer, s):
             for tname, task in tasks.items():
                 for width in s.widths:
                     mc = toy_config(ctx.preset, name, width, task.vocab, s)
@@ -443,9 +443,8 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
     fits = {}
     for lr in s.candidates(layer):
         doing = f"toys {layer} {task.name} d={width} seed {seed} lr={lr:g}"
-        taken = []
-        fits[lr] = fit = train_cell(mc, task, lr, s, seed, ctx.device, lambda d=doing: (taken.append(1), ctx.advance(1, d)))
-        ctx.advance(s.max_steps - len(taken), doing)  # the steps an early stop saved
+        fits[lr] = fit = train_cell(mc, task, lr, s, seed, ctx.device, lambda d=doing: ctx.advance(1, d))
+        ctx.advance(s.max_steps - fit.steps, doing)  # the steps an early stop saved
     lr = max(fits, key=lambda k: fits[k].val)  # ties: the first candidate
     fit = fits[lr]
     acc = evaluate(fit.model, task.test, s.batch_size)
