@@ -57,14 +57,16 @@ def bench_cost(layer: str) -> float:
 
 
 def share_out(layers: list[str], jobs: int) -> list[list[str]]:
-    """Layers in `jobs` groups of about equal cost (longest first onto the lightest group)."""
+    """Layers in `jobs` groups of about equal cost (longest first onto the lightest group); the
+    baseline runs first in its group, so that a run cut short holds the reference rows (and the
+    toys' controls, which run with it)."""
     groups: list[list[str]] = [[] for _ in range(jobs)]
     load = [0.0] * jobs
     for layer in sorted(layers, key=lambda n: -bench_cost(n)):
         i = load.index(min(load))
         groups[i].append(layer)
         load[i] += bench_cost(layer)
-    return [g for g in groups if g]
+    return [sorted(g, key=lambda n: n != BASELINE) for g in groups if g]
 
 
 def work_units(ctx: Context, layers: list[str], todo: list[str]) -> int:
@@ -84,10 +86,27 @@ def _work(ctx: Context, layers: list[str], todo: list[str]) -> None:
             suite(s).run(ctx, [layer])
 
 
+def exit_with(parent: int, poll_s: float = 1.0) -> None:
+    """End this process when `parent` is gone (killed, even by SIGKILL, which no handler sees):
+    a bench worker left behind would go on appending rows. A daemon thread watches the
+    parent id, which changes when the parent dies and the process is re-parented."""
+    import os
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
 def _worker(args: dict, wid: int, layers: list[str], todo: list[str], threads: int, queue) -> None:
     """A worker process: runs its layers and reports ("work", wid, units, doing) for each unit
-    of work, then ("end", wid, 0, "")."""
+    of work, then ("end", wid, 0, ""). It ends with the bench process that started it."""
     import torch
+
+    exit_with(args["parent"])
 
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
@@ -162,29 +181,31 @@ def run_bench(
         mpc = mp.get_context("spawn")
         queue = mpc.Queue()
         args = {"preset": p.source, "seed": seed, "out": str(out), "work_dir": str(work_dir), "device": device,
-                "run_id": rec.run_id, "resume": resume}
+                "run_id": rec.run_id, "resume": resume, "parent": os.getpid()}
         threads = max(1, cores // len(groups))
         procs = [mpc.Process(target=_worker, args=(args, i, g, todo, threads, queue)) for i, g in enumerate(groups)]
         for proc in procs:
             proc.start()
         ended = 0
-        while ended < len(procs):
-            try:
-                kind, wid, units, what = queue.get(timeout=5)
-            except queue_mod.Empty:  # check that no worker died
-                if any(proc.exitcode not in (None, 0) for proc in procs):
-                    for proc in procs:
-                        proc.kill()
-                    bar.close()
-                    raise RuntimeError("a bench worker failed (its traceback is above); rows measured so far are kept")
-                continue
-            if kind == "end":
-                ended += 1
-                show(wid, 0, "done")
-            else:
-                show(wid, units, what)
-        for proc in procs:
-            proc.join()
+        try:
+            while ended < len(procs):
+                try:
+                    kind, wid, units, what = queue.get(timeout=5)
+                except queue_mod.Empty:  # check that no worker died
+                    if any(proc.exitcode not in (None, 0) for proc in procs):
+                        bar.close()
+                        raise RuntimeError("a bench worker failed (its traceback is above); rows measured so far are kept")
+                    continue
+                if kind == "end":
+                    ended += 1
+                    show(wid, 0, "done")
+                else:
+                    show(wid, units, what)
+        finally:  # an error or Ctrl-C here stops the workers too (a SIGKILL: exit_with in each worker)
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
         rec.rows = [r for r in read_results(rec.path) if r["run_id"] == rec.run_id]
     bar.close()
     print(f"\nmemzoo bench: {len(rec.rows)} rows in {time.time() - t0:.0f} s -> {rec.path}\n")

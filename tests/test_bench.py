@@ -134,6 +134,7 @@ def test_share_out_balances_layers():
     groups = share_out(["baseline", "fwpkm", "mom", "lact"], 2)
     assert sorted(sum(groups, [])) == ["baseline", "fwpkm", "lact", "mom"] and len(groups) == 2
     assert share_out(["baseline"], 2) == [["baseline"]]
+    assert any(g[0] == "baseline" for g in share_out(["fwpkm", "mom", "baseline", "lact", "ba", "fwl"], 2))  # first
 
 
 def test_workers_measure_what_one_process_measures(micro, tmp_path):
@@ -146,3 +147,33 @@ def test_workers_measure_what_one_process_measures(micro, tmp_path):
     loss = lambda rows: {key(r): r["metrics"]["loss"] for r in rows}  # noqa: E731
     assert len(two) == len(one) == 8 and loss(two) == loss(one)
     assert len({r["run_id"] for r in two}) == 1
+
+
+def test_a_bench_worker_ends_when_its_parent_is_killed():
+    """`exit_with`: a worker whose bench process dies (SIGKILL: no handler runs) stops instead of
+    appending rows on its own."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    worker = ("import os, time; from memzoo.bench.run import exit_with; exit_with(os.getppid(), poll_s=0.1); "
+              "print('up', flush=True); time.sleep(60)")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+                               "print(w.pid, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    assert parent.stdout.readline().strip() == "up"  # the worker (same stdout) watches its parent
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)  # still there?
+        except ProcessLookupError:
+            return
+        if open(f"/proc/{pid}/stat").read().split()[2] == "Z":  # exited, not yet reaped
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError("the worker outlived its parent by 10 s")

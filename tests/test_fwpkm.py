@@ -303,3 +303,46 @@ def test_a_nan_in_one_sequence_reaches_no_other_sequence_and_no_later_call(per_s
         y2 = layer(torch.randn(2, 16, 32))
         assert torch.isfinite(y2).all()
     assert not torch.isfinite(y[0, 10]).all()  # the NaN token's own output is not finite
+
+
+def naive_addressing_loss(q, keys, k, score, eps, per_sequence, pooled, weight):
+    """Eqs. 37-38 by the definition, densely: every sub-key scored, the top-k softmaxed and
+    scattered into an n-vector per token, p̄ the mean per sub-key set, loss = -λ Σ H(p̄)."""
+    B, T, H, Dk = q.shape
+    K = keys if per_sequence else keys.expand(B, *keys.shape)  # [B, H, 2, n, d]
+    qh = q.view(B, T, H, 2, 1, Dk // 2)
+    if score == "idw":
+        s = -torch.log(eps + (qh - K[:, None]).pow(2).sum(-1))  # [B, T, H, 2, n]
+    else:
+        s = (qh * K[:, None]).sum(-1)
+    top, idx = s.detach().topk(k, -1)
+    p = torch.zeros_like(s).scatter(-1, idx, torch.softmax(s.gather(-1, idx), -1))  # [B, T, H, 2, n]
+    sets = []  # one p̄ per (sequence if per_sequence) (head unless pooled) half
+    for b in range(B) if per_sequence else [slice(None)]:
+        for h in [slice(None)] if pooled else range(H):
+            for half in range(2):
+                sets.append(p[b, :, h, half].reshape(-1, p.shape[-1]).mean(0))
+    p_bar = torch.stack(sets)
+    return -weight * (-(p_bar * torch.log(p_bar + 1e-8)).sum(-1)).sum()
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+@pytest.mark.parametrize("heads,pooled", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("score", ["idw", "dot"])
+def test_key_step_is_minus_lr_times_the_addressing_loss_gradient(per_sequence, heads, pooled, score):
+    """Eq. 39 against autograd of the loss written densely by its definition (Eqs. 37-38)."""
+    torch.manual_seed(0)
+    layer = FwPKM(16, key_dim=6, value_dim=4, heads=heads, topk=3, n_subkeys=5, chunk_size=7, lr=0.5,
+                  score=score, per_sequence=per_sequence, pooled_entropy=pooled).double()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    layer.reset(2)
+    k0 = layer.state["keys"].clone()
+    with torch.no_grad():
+        layer(x)
+        q, _, _ = layer.io.project(x)
+    K = k0.clone().requires_grad_()
+    loss = naive_addressing_loss(q.view(2, 7, heads, 6), K, 3, score, layer.idw_eps, per_sequence, pooled,
+                                 layer.addr_loss_weight)
+    (grad,) = torch.autograd.grad(loss, K)
+    assert grad.abs().max() > 1e-3  # the test sees a real step
+    torch.testing.assert_close(layer.state["keys"] - k0, -0.5 * grad, rtol=1e-9, atol=1e-12)

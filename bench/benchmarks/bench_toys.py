@@ -22,9 +22,9 @@ from memzoo.timing import time_fn
 
 SETTINGS = {  # name: (GDN chunk, precision, compile)
     "chunk64-fp32": (64, "fp32", False),  # before: the LM's GDN chunk
-    "chunk16-fp32": (16, "fp32", False),  # the toys' presets
+    "chunk16-fp32": (16, "fp32", False),
     "chunk16-bf16": (16, "bf16", False),
-    "chunk16-bf16-compile": (16, "bf16", True),
+    "chunk16-bf16-compile": (16, "bf16", True),  # after: the toys' presets
 }
 
 

@@ -339,7 +339,7 @@ class Fit:
     steps: int  # training steps taken
     stop: str  # solved | plateau | capped | diverged
     train_loss: float  # mean of the last eval_every steps
-    tokens_per_s: float  # training tokens over the time of the training steps alone
+    tokens_per_s: float  # training tokens over the time of the training steps alone (the first left out)
 
 
 def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, device: str = "cpu",
@@ -361,8 +361,9 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
         x, y = (t.to(device) for t in task.batch(step, g))  # drawn on the CPU: the same data anywhere
         t0 = time.perf_counter()
         loss = train_step([(x, y)], lr_at(step, tc))
-        busy += time.perf_counter() - t0
-        tokens += x.numel()
+        if step:  # the first step compiles (with `compile`): not in the throughput
+            busy += time.perf_counter() - t0
+            tokens += x.numel()
         losses.append(loss)
         if on_step is not None:
             on_step()

@@ -278,6 +278,7 @@ class BaFastWeights(MemoryLayer):
         return self.out_proj(h.to(x.dtype))
 
     # ---- write: run the recurrence ---------------------------------------------------------
+    @torch.compiler.disable  # a loop over tokens: traced, it unrolls into a graph that takes minutes to compile
     def _run(self, x: Tensor, state: State) -> tuple[list[Tensor], State]:
         cx = self.in_proj(self.in_norm(x))
         A, h, hs = state["A"], state["h"], []

@@ -300,6 +300,7 @@ class FWL(MemoryLayer):
             state = self._accumulate(state, sc, gamma)
         return state
 
+    @torch.compiler.disable  # eager inside a compiled model: compiled autograd has no double backward (create_graph)
     def forward_state(
         self, x: Tensor, state: State, targets: Tensor | None = None, head: Head | None = None
     ) -> tuple[Tensor, State]:

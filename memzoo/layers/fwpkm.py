@@ -64,13 +64,21 @@ from torch import Tensor
 
 from memzoo.layers.base import MemoryLayer, State
 from memzoo.layers.fw_io import FastWeightIO, finite_tokens, from_variant, write_pairs
-from memzoo.ops.product_key import Lookup, gather_values, lookup, pair_scores, selected_subkey_scores
+from memzoo.ops.product_key import (Lookup, gather_rows, gather_values, lookup, pair_scores, selected_subkey_scores,
+                                    subkey_rows)
 from memzoo.registry import register_layer
 
 
 def _fp32(x: Tensor) -> Tensor:
     """Fast-weight math runs in at least fp32 (the release's fp32_fw)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@torch.compiler.disable
+def _add_rows(table: Tensor, rows: Tensor, delta: Tensor) -> None:
+    """table[rows] += delta in place, outside any torch.compile graph: traced, the in-place
+    write to a large memory is functionalised into a copy of the whole table per chunk."""
+    table.index_add_(0, rows, delta)
 
 
 #: the choices where the paper's text and the authors' release differ (module docstring)
@@ -143,29 +151,35 @@ class FwPKM(MemoryLayer):
         self.site = "before_mixer" if opts["before_mixer"] else "after_mixer"
         self.pooled_entropy = opts["pooled_entropy"]
         self.io = FastWeightIO(d_model, heads * key_dim, value_dim, gating, value_norm)
-        self._diag: dict = {}
+        self._reads: list = []  # the last call's reads, per chunk (stats())
         self._pos, self._writer = 0, None  # stream position; who last wrote each slot
         self.reset_stats()
         if not per_sequence:
             self.reset()  # shared fast weights exist as buffers from the start
 
     # ---- fast weights ----------------------------------------------------------------------
-    def init_state(self, batch_size: int) -> State:
-        """K ~ U(±1/√Dk), V ~ N(0, 1/Dv) as in the release, from a fixed seed so reset is exact."""
+    def init_state(self, batch_size: int, reuse: State | None = None) -> State:
+        """K ~ U(±1/√Dk), V ~ N(0, 1/Dv) as in the release, from a fixed seed so reset is exact.
+        `reuse` (reset's old state): tensors of the right shape are refilled in place, since
+        allocating a fresh per-sequence [B, n², Dv] costs more than the copy (page faults)."""
         dev = self.io.q_proj.weight.device
         dt = torch.promote_types(self.io.q_proj.weight.dtype, torch.float32)  # fast weights: >= fp32
         kshape = (self.heads, 2, self.n, self.key_dim // 2)
         vshape = (self.N, self.value_dim)
         if dev.type == "meta":
-            keys, values = torch.empty(kshape, device=dev), torch.empty(vshape, device=dev)
-        else:
+            return {"keys": torch.empty(kshape, device=dev), "values": torch.empty(vshape, device=dev)}
+        if getattr(self, "_init", (None,))[0] != (dev, dt):  # drawn once per device and dtype
             gen = torch.Generator().manual_seed(self.seed)
             bound = 1 / math.sqrt(self.key_dim)
             keys = (torch.rand(kshape, generator=gen) * 2 - 1).mul_(bound).to(dev, dt)
-            values = (torch.randn(vshape, generator=gen) * self.value_dim**-0.5).to(dev, dt)
-        if self.per_sequence:  # real copies: writes update values in place
-            keys, values = keys.repeat(batch_size, 1, 1, 1, 1), values.repeat(batch_size, 1, 1)
-        return {"keys": keys, "values": values}
+            self._init = ((dev, dt), keys, (torch.randn(vshape, generator=gen) * self.value_dim**-0.5).to(dev, dt))
+        lead = (batch_size,) if self.per_sequence else ()
+        state = {}
+        for name, init in zip(("keys", "values"), self._init[1:]):
+            old, full = (reuse or {}).get(name), init.expand(*lead, *init.shape)
+            fits = old is not None and old.shape == full.shape and old.dtype == dt and old.device == dev
+            state[name] = old.copy_(full) if fits and not old.requires_grad else full.clone()  # real copies
+        return state
 
     # ---- retrieval (Eqs. 27-32) ------------------------------------------------------------
     def _lookup(self, q: Tensor, state: State) -> tuple[Lookup, Tensor, Tensor]:
@@ -228,17 +242,19 @@ class FwPKM(MemoryLayer):
             # ∇_{v̂_t} of the gate-weighted ½||v_{t+1} - v̂_t||², summed over tokens and features (Sec. 3.2.2)
             err = _fp32(lw).unsqueeze(-1) * (v_hat - _fp32(tgt))  # [B, Tw, Dv]
             # N_i^read (Eq. 36): every read of row i in the chunk, the last token's included
-            # (a non-finite token's reads go to row -1, which nothing writes)
-            _, inv, n_read = torch.unique(idx.where(ok[..., None], -1), return_inverse=True, return_counts=True)
-            rows, n_w = idx_w.reshape(-1), n_read[inv[:, :Tw]].reshape(-1)
+            # (a non-finite token's reads count 0)
+            n_read = flat.new_zeros(flat.shape[0]).index_add_(
+                0, idx.reshape(-1), ok[..., None].expand_as(idx).reshape(-1).to(flat.dtype))
+            rows = idx_w.reshape(-1)
+            n_w = n_read[rows].clamp(min=1)  # (a row only a non-finite token read gets a zero step)
             scale = self.lr * (self.topk * self.heads if self.release_value_scale else 1.0)
             # Eqs. 35-36: each entry's share of its row's gradient, divided by the row's N_i^read
             delta = (w_w.unsqueeze(-1) * err.unsqueeze(-2)).reshape(-1, self.value_dim)
-            delta = delta * (-scale / n_w.to(delta.dtype)).unsqueeze(-1)
+            delta = delta * (-scale / n_w).unsqueeze(-1)
             if values.requires_grad or (self.grad_through_update and torch.is_grad_enabled()):
                 flat = flat.index_add(0, rows, delta)  # functional: outer gradients flow through it
             else:
-                flat.index_add_(0, rows, delta)  # in place: O(rows touched), not O(N)
+                _add_rows(flat, rows, delta)  # in place: O(rows touched), not O(N)
             new["values"] = flat.view_as(values)
             self._note_write(idx_w, B, Tw)
         if not torch.compiler.is_compiling():  # diagnostics stay out of compiled graphs
@@ -247,60 +263,94 @@ class FwPKM(MemoryLayer):
 
     def _key_grad(self, q, ok, lk: Lookup, tgt, lw, state: State) -> Tensor:
         """∇_K of the addressing loss (Eqs. 37-39), or of the memorisation loss when that is
-        switched off (App. B). Only the selected sub-keys get gradient, so only their scores
-        are recomputed (differentiably in K): O(k·d) per token. `ok` [B, T] marks the tokens
-        that count."""
+        switched off (App. B). Only the selected sub-keys get gradient: O(k·d) per token.
+        `ok` [B, T] marks the tokens that count.
+
+        The addressing loss's gradient is written out (no autograd call: cheaper, and the
+        same expression keeps its graph when `grad_through_update` asks for outer gradients).
+        For each counted token and sub-key set, with s_j its k selected scores (IDW, Eq. 28),
+        p = softmax(s) (Eq. 30) and p̄ the set's mean of the scattered p (Eq. 37):
+            L = -λ Σ_sets H(p̄),  H(p̄) = -Σ_i p̄_i log(p̄_i + 1e-8)              (Eq. 38)
+            ∂L/∂p̄_i = λ (log(p̄_i + 1e-8) + p̄_i / (p̄_i + 1e-8))
+            ∂L/∂p_j = ∂L/∂p̄_{i_j} / n_set,  ∂L/∂s_j = p_j (∂L/∂p_j - Σ_l p_l ∂L/∂p_l)
+            ∂s_j/∂K_{i_j} = 2 (q - K_{i_j}) / (ε + ||q - K_{i_j}||²)   (IDW; dot: q)
+        and each ∂L/∂K_i sums the tokens that selected sub-key i."""
+        if not self.addr_loss:
+            return self._memorisation_key_grad(q, lk, tgt, lw, state)
         keys = state["keys"]
+        B, T, _ = q.shape
+        H, n, d = self.heads, self.n, self.key_dim // 2
+        with torch.set_grad_enabled(self.grad_through_update and torch.is_grad_enabled()):
+            qh = _fp32(q).view(B, T, H, 2, 1, d)
+            rows = subkey_rows(keys, lk.sub_index)  # [B, T, H, 2, k] into keys.reshape(-1, d)
+            diff = qh - gather_rows(keys, rows)  # [B, T, H, 2, k, d]
+            if self.score == "idw":
+                dist = self.idw_eps + diff.pow(2).sum(-1)
+                top = -torch.log(dist)
+            else:
+                top = (qh * (qh - diff)).sum(-1)
+            okf = ok[:, :, None, None, None].to(top.dtype)
+            p = torch.softmax(top, -1) * okf  # s' over each half's top-k (Eq. 30), counted tokens only
+            # p̄ (Eq. 37) per sub-key set: per sequence (a memory per sequence), per head (unless
+            # pooled), per half; the mean over the set's tokens (and heads, if pooled)
+            b_set = torch.arange(B, device=q.device).view(B, 1, 1, 1) if self.per_sequence else torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
+            h_set = torch.zeros(H, 1, dtype=torch.long, device=q.device) if self.pooled_entropy else torch.arange(H, device=q.device).view(H, 1)
+            n_h = 1 if self.pooled_entropy else H
+            set_id = (b_set * n_h + h_set) * 2 + torch.arange(2, device=q.device)  # [B or 1, 1, H, 2]
+            n_sets = (B if self.per_sequence else 1) * n_h * 2
+            n_tok = okf.new_zeros(n_sets).index_add_(0, set_id.expand(B, T, H, 2).reshape(-1), okf.expand(B, T, H, 2, 1).reshape(-1))
+            n_tok = n_tok.clamp(min=1)
+            bucket = set_id[..., None] * n + lk.sub_index  # [B, T, H, 2, k]
+            p_bar = p.new_zeros(n_sets * n).index_add(0, bucket.reshape(-1), p.reshape(-1)) / n_tok.repeat_interleave(n)
+            dp_bar = self.addr_loss_weight * (torch.log(p_bar + 1e-8) + p_bar / (p_bar + 1e-8))
+            dp = dp_bar.take(bucket) / n_tok.take(set_id)[..., None] * okf
+            ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+            dK = ds[..., None] * (2 * diff / dist[..., None] if self.score == "idw" else qh.expand_as(diff))
+            return keys.new_zeros(keys.numel() // d, d).index_add(0, rows.reshape(-1), dK.reshape(-1, d)).view_as(keys)
+
+    def _memorisation_key_grad(self, q, lk: Lookup, tgt, lw, state: State) -> Tensor:
+        """App. B "w/o addr loss": the keys follow ½·mean over pairs and features of the MSE
+        (the release's `no_addr_loss`), by autograd."""
+        keys = state["keys"]
+        Tw = tgt.shape[1]
+        if Tw == 0:
+            return torch.zeros_like(keys)
         outer = self.grad_through_update and torch.is_grad_enabled()  # keep the graph (release)
         B, T, _ = q.shape
         with torch.enable_grad():
             K = keys if keys.requires_grad else keys.detach().requires_grad_()
             qh = _fp32(q).view(B, T, self.heads, self.key_dim)
-            top = selected_subkey_scores(qh, K, lk.sub_index, self.score, self.idw_eps)  # [B, T, H, 2, k]
-            if self.addr_loss:
-                # s' over each half's top-k (Eq. 30), zero elsewhere, for the counted tokens
-                p = torch.softmax(top, -1) * ok[:, :, None, None, None]
-                # p̄ (Eq. 37): the mean over the chunk's tokens (and the batch, for a shared memory;
-                # and the heads, if pooled) of the scattered s', per sub-key set
-                kept = ([0] if self.per_sequence else []) + ([] if self.pooled_entropy else [2]) + [3]
-                perm = kept + [d for d in range(4) if d not in kept] + [4]
-                p, idx = p.permute(perm), lk.sub_index.permute(perm)
-                shape = p.shape[: len(kept)]
-                n_tok = ok[:, :, None, None, None].expand(B, T, self.heads, 2, 1).permute(perm)
-                n_tok = n_tok.reshape(*shape, -1).sum(-1, keepdim=True).clamp(min=1)
-                p_bar = p.new_zeros(*shape, self.n).scatter_add(-1, idx.reshape(*shape, -1), p.reshape(*shape, -1))
-                p_bar = p_bar / n_tok
-                entropy = -(p_bar * torch.log(p_bar + 1e-8)).sum(-1)  # per (sequence,) (head,) sub-key set
-                loss = -self.addr_loss_weight * entropy.sum()  # Eq. 38: maximise H(p̄)
-            else:  # App. B "w/o addr loss": keys follow ½·mean over pairs and features of the MSE
-                Tw = tgt.shape[1]
-                if Tw == 0:
-                    return torch.zeros_like(keys)
-                w = torch.softmax(pair_scores(top[:, :Tw], lk.pair[:, :Tw]).flatten(-2), -1)
-                idx = self._rows(lk.index[:, :Tw].flatten(-2))
-                v_hat = gather_values(self._values(state).detach(), idx, w)
-                n = Tw if self.per_sequence else B * Tw  # pairs behind each memory
-                loss = 0.5 * (_fp32(lw).unsqueeze(-1) * (_fp32(tgt) - v_hat).pow(2)).sum() / (n * self.value_dim)
+            top = selected_subkey_scores(qh[:, :Tw], K, lk.sub_index[:, :Tw], self.score, self.idw_eps)
+            w = torch.softmax(pair_scores(top, lk.pair[:, :Tw]).flatten(-2), -1)
+            idx = self._rows(lk.index[:, :Tw].flatten(-2))
+            v_hat = gather_values(self._values(state).detach(), idx, w)
+            n = Tw if self.per_sequence else B * Tw  # pairs behind each memory
+            loss = 0.5 * (_fp32(lw).unsqueeze(-1) * (_fp32(tgt) - v_hat).pow(2)).sum() / (n * self.value_dim)
             (grad,) = torch.autograd.grad(loss, K, create_graph=outer)
         return grad
 
     # ---- causal mixing: one lookup per chunk shared by read and write ---------------------
     def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
-        ys = []
+        """The read-then-write loop over chunks. Eq. 26's projections and Eqs. 33-34's output
+        are per token, so they run once over the whole call; only the lookups, reads and
+        writes, which depend on the memory, run chunk by chunk."""
+        q, v, g = self.io.project(x)
+        v_hats = []
         for s in range(0, x.shape[1], self.chunk_size):
-            q, v, g = self.io.project(x[:, s : s + self.chunk_size])
-            lk, w, idx = self._lookup(q, state)
-            v_hat = gather_values(self._values(state), idx, w)
-            self._note_read(idx, w, g, append=s > 0)
-            ys.append(self.io.output(v_hat.to(v.dtype), v, g))
-            state = self._update(q, v, g, lk, w, idx, state)
-        if not ys:  # T = 0
+            c = slice(s, s + self.chunk_size)
+            qc, vc, gc = q[:, c], v[:, c], None if g is None else g[:, c]
+            lk, w, idx = self._lookup(qc, state)
+            v_hats.append(gather_values(self._values(state), idx, w))
+            self._note_read(idx, w, gc, append=s > 0)
+            state = self._update(qc, vc, gc, lk, w, idx, state)
+        if not v_hats:  # T = 0
             return x.new_zeros(x.shape), state
-        return torch.cat(ys, dim=1), state
+        return self.io.output(torch.cat(v_hats, dim=1).to(v.dtype), v, g), state
 
     # ---- diagnostics (Sec. 3.3 usage, Fig. 3 gates, Fig. 5 retrieval trace) ---------------
     def reset(self, batch_size: int = 1) -> None:
-        super().reset(batch_size)
+        self._batch_size = batch_size
+        self._state = self.init_state(batch_size if self.per_sequence else 1, reuse=self._state)
         self._pos, self._writer = 0, None
 
     def reset_stats(self) -> None:
@@ -311,7 +361,7 @@ class FwPKM(MemoryLayer):
     def _note_read(self, idx: Tensor, w: Tensor, g: Tensor | None, append: bool = False) -> None:
         """Record a read for stats(): slots hit since reset_stats(), and the last call's slots,
         weights, gates and the writers of the slots read (`append`: a later chunk of the same
-        call, concatenated along time so the trace covers the whole call). Not kept under
+        call, kept with the earlier ones; stats() concatenates them along time). Not kept under
         torch.compile (they would cost a recompilation per chunk)."""
         if torch.compiler.is_compiling():
             return
@@ -321,13 +371,19 @@ class FwPKM(MemoryLayer):
         self._hits[idx.reshape(-1)] = True
         new = {"index": idx.detach(), "weights": w.detach(), "gates": None if g is None else g.detach()}
         if self._writer is not None and self._writer.device == idx.device:  # who had written the slots read
-            new["writer"] = self._writer[idx]
-        old = dict(self._diag) if append else {}
-        if old and "writer" in new and "writer" not in old:  # the first write came between the chunks
-            old["writer"] = torch.full((*old["index"].shape, 2), -1, dtype=torch.long, device=idx.device)
-        if old and old.keys() == new.keys():
-            new = {k: None if v is None else torch.cat([old[k], v], dim=1) for k, v in new.items()}
-        self._diag = new
+            new["writer"] = gather_rows(self._writer, idx)
+        self._reads = [*self._reads, new] if append else [new]  # concatenated by stats(), not per chunk
+
+    def _trace(self) -> dict:
+        """The last call's reads, chunks concatenated along time (a chunk read before the first
+        write has writer -1)."""
+        reads = self._reads
+        if not reads:
+            return {}
+        if any("writer" in r for r in reads):
+            reads = [r if "writer" in r else {**r, "writer": torch.full((*r["index"].shape, 2), -1, dtype=torch.long,
+                                                                            device=r["index"].device)} for r in reads]
+        return {k: None if reads[0][k] is None else torch.cat([r[k] for r in reads], dim=1) for k in reads[0]}
 
     @torch.no_grad()
     def _note_write(self, idx_w: Tensor, B: int, Tw: int) -> None:
@@ -347,7 +403,7 @@ class FwPKM(MemoryLayer):
         out = super().stats()
         if self._hits is not None:
             out["usage"] = (self._hits > 0).float().mean().item()
-        d = self._diag
+        d = self._trace()
         if d:
             # marginal entropy of each sub-key set over the last read, normalised by log n
             sub = torch.stack([d["index"] // self.n, d["index"] % self.n]) % self.n

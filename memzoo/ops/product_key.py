@@ -78,7 +78,7 @@ def pair_scores(top: Tensor, pair: Tensor) -> Tensor:
 def gather_values(values: Tensor, index: Tensor, weights: Tensor) -> Tensor:
     """v̂ = Σ_i s'_i V_i (Eq. 4/32): values [N, Dv], index/weights [..., m] -> [..., Dv].
     (An embedding bag; the gather materialises [..., m, Dv], fine for m = heads × top-k.)"""
-    return torch.einsum("...m,...md->...d", weights, values[index])
+    return torch.einsum("...m,...md->...d", weights, gather_rows(values, index))
 
 
 def brute_force_topk(q: Tensor, subkeys: Tensor, k: int, score: str = "dot", eps: float = 1e-3):
@@ -86,6 +86,25 @@ def brute_force_topk(q: Tensor, subkeys: Tensor, k: int, score: str = "dot", eps
     sub = subkey_scores(q, subkeys, score, eps)  # [..., H, 2, n]
     full = (sub[..., 0, :, None] + sub[..., 1, None, :]).flatten(-2)  # [..., H, n²]
     return full.topk(k, dim=-1)  # (scores, index)
+
+
+def subkey_rows(subkeys: Tensor, sub_index: Tensor) -> Tensor:
+    """Row ids into ``subkeys.reshape(-1, d)`` of the sub-keys `sub_index` [..., H, 2, k] selects
+    in subkeys [H, 2, n, d] (shared) or [B, H, 2, n, d] (one set per sequence; then
+    sub_index is [B, T, H, 2, k]). A flat row id per sub-key lets index_select (and its
+    index_add backward) do the gather: much faster than advanced indexing with broadcast
+    (b, h, s, i) index tensors."""
+    H, _, n, _ = subkeys.shape[-4:]
+    hs = torch.arange(2 * H, device=sub_index.device).view(H, 2, 1) * n  # [H, 2, 1]
+    if subkeys.dim() == 5:
+        hs = hs + torch.arange(subkeys.shape[0], device=sub_index.device).view(-1, 1, 1, 1, 1) * (2 * H * n)
+    return sub_index + hs
+
+
+def gather_rows(table: Tensor, rows: Tensor) -> Tensor:
+    """table.reshape(-1, d)[rows] -> [*rows.shape, d], by index_select."""
+    d = table.shape[-1]
+    return table.reshape(-1, d).index_select(0, rows.reshape(-1)).view(*rows.shape, d)
 
 
 def selected_subkey_scores(q: Tensor, subkeys: Tensor, sub_index: Tensor, score: str = "dot", eps: float = 1e-3) -> Tensor:
@@ -98,13 +117,7 @@ def selected_subkey_scores(q: Tensor, subkeys: Tensor, sub_index: Tensor, score:
     """
     *lead, H, Dk = q.shape
     qh = q.reshape(*lead, H, 2, 1, Dk // 2)
-    h = torch.arange(H, device=q.device).view(H, 1, 1)
-    s = torch.arange(2, device=q.device).view(1, 2, 1)
-    if subkeys.dim() == 4:
-        K = subkeys[h, s, sub_index]  # [..., H, 2, k, d]
-    else:
-        b = torch.arange(subkeys.shape[0], device=q.device).view(-1, 1, 1, 1, 1)
-        K = subkeys[b, h, s, sub_index]
+    K = gather_rows(subkeys, subkey_rows(subkeys, sub_index))  # [..., H, 2, k, d]
     if score == "dot":
         return (qh * K).sum(-1)
     return -torch.log(eps + (qh - K).pow(2).sum(-1))
