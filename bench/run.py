@@ -101,12 +101,28 @@ def exit_with(parent: int, poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
+def private_compile_cache() -> None:
+    """torch.compile's on-disk cache in a directory of this process's own, removed at exit. The
+    shared default (/tmp/torchinductor_<user>) is written in place: a bench killed while it
+    compiles (which is how a resumable run stops) can leave a truncated library there, and the
+    next run's compile then fails ("file too short")."""
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="memzoo-compile-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+
+
 def _worker(args: dict, wid: int, layers: list[str], todo: list[str], threads: int, queue) -> None:
     """A worker process: runs its layers and reports ("work", wid, units, doing) for each unit
     of work, then ("end", wid, 0, ""). It ends with the bench process that started it."""
     import torch
 
     exit_with(args["parent"])
+    private_compile_cache()
 
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
@@ -175,6 +191,7 @@ def run_bench(
         bar.update(units)
 
     if len(groups) == 1:
+        private_compile_cache()
         ctx.on_work = lambda units, what: show(0, units, what)
         _work(ctx, names, todo)
     else:

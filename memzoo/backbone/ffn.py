@@ -14,10 +14,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # normalise in fp32 for stability, return in the input dtype
-        xf = x.float()
+        # normalise in at least fp32 for stability (fp64 stays fp64), return in the input dtype
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
 
 
 class SwiGLU(nn.Module):

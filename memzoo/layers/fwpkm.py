@@ -152,6 +152,7 @@ class FwPKM(MemoryLayer):
         self.pooled_entropy = opts["pooled_entropy"]
         self.io = FastWeightIO(d_model, heads * key_dim, value_dim, gating, value_norm)
         self._reads: list = []  # the last call's reads, per chunk (stats())
+        self._init: tuple = (None,)  # ((device, dtype), keys, values) of init_state
         self._pos, self._writer = 0, None  # stream position; who last wrote each slot
         self.reset_stats()
         if not per_sequence:
@@ -168,7 +169,7 @@ class FwPKM(MemoryLayer):
         vshape = (self.N, self.value_dim)
         if dev.type == "meta":
             return {"keys": torch.empty(kshape, device=dev), "values": torch.empty(vshape, device=dev)}
-        if getattr(self, "_init", (None,))[0] != (dev, dt):  # drawn once per device and dtype
+        if self._init[0] != (dev, dt):  # drawn once per device and dtype
             gen = torch.Generator().manual_seed(self.seed)
             bound = 1 / math.sqrt(self.key_dim)
             keys = (torch.rand(kshape, generator=gen) * 2 - 1).mul_(bound).to(dev, dt)
@@ -283,30 +284,31 @@ class FwPKM(MemoryLayer):
         with torch.set_grad_enabled(self.grad_through_update and torch.is_grad_enabled()):
             qh = _fp32(q).view(B, T, H, 2, 1, d)
             rows = subkey_rows(keys, lk.sub_index)  # [B, T, H, 2, k] into keys.reshape(-1, d)
-            diff = qh - gather_rows(keys, rows)  # [B, T, H, 2, k, d]
+            K = gather_rows(keys, rows)  # [B, T, H, 2, k, d]
             if self.score == "idw":
+                diff = qh - K
                 dist = self.idw_eps + diff.pow(2).sum(-1)
-                top = -torch.log(dist)
+                s, ds_dK = -torch.log(dist), 2 * diff / dist[..., None]
             else:
-                top = (qh * (qh - diff)).sum(-1)
-            okf = ok[:, :, None, None, None].to(top.dtype)
-            p = torch.softmax(top, -1) * okf  # s' over each half's top-k (Eq. 30), counted tokens only
-            # p̄ (Eq. 37) per sub-key set: per sequence (a memory per sequence), per head (unless
-            # pooled), per half; the mean over the set's tokens (and heads, if pooled)
-            b_set = torch.arange(B, device=q.device).view(B, 1, 1, 1) if self.per_sequence else torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
-            h_set = torch.zeros(H, 1, dtype=torch.long, device=q.device) if self.pooled_entropy else torch.arange(H, device=q.device).view(H, 1)
-            n_h = 1 if self.pooled_entropy else H
-            set_id = (b_set * n_h + h_set) * 2 + torch.arange(2, device=q.device)  # [B or 1, 1, H, 2]
+                s, ds_dK = (qh * K).sum(-1), qh.expand_as(K)
+            okf = ok[:, :, None, None, None].to(s.dtype)
+            p = torch.softmax(s, -1) * okf  # s' over each half's top-k (Eq. 30), counted tokens only
+            # p̄ (Eq. 37) per sub-key set: one per sequence (a memory per sequence), head (unless
+            # pooled) and half; the mean over the set's counted tokens (and heads, if pooled)
+            dev, n_h = q.device, 1 if self.pooled_entropy else H
+            b_set = torch.arange(B, device=dev).view(B, 1, 1, 1) if self.per_sequence else torch.zeros((), dtype=torch.long)
+            h_set = torch.zeros((), dtype=torch.long) if self.pooled_entropy else torch.arange(H, device=dev).view(H, 1)
+            set_id = ((b_set * n_h + h_set) * 2 + torch.arange(2, device=dev)).expand(B, T, H, 2)
             n_sets = (B if self.per_sequence else 1) * n_h * 2
-            n_tok = okf.new_zeros(n_sets).index_add_(0, set_id.expand(B, T, H, 2).reshape(-1), okf.expand(B, T, H, 2, 1).reshape(-1))
-            n_tok = n_tok.clamp(min=1)
-            bucket = set_id[..., None] * n + lk.sub_index  # [B, T, H, 2, k]
-            p_bar = p.new_zeros(n_sets * n).index_add(0, bucket.reshape(-1), p.reshape(-1)) / n_tok.repeat_interleave(n)
+            n_tok = okf.new_zeros(n_sets).index_add_(0, set_id.reshape(-1), okf.expand(B, T, H, 2, 1).reshape(-1))
+            n_tok = n_tok.clamp(min=1).take(set_id)[..., None]  # [B, T, H, 2, 1]
+            bucket = set_id[..., None] * n + lk.sub_index  # [B, T, H, 2, k]: sub-key i of its set
+            p_bar = p.new_zeros(n_sets * n).index_add(0, bucket.reshape(-1), (p / n_tok).reshape(-1))
             dp_bar = self.addr_loss_weight * (torch.log(p_bar + 1e-8) + p_bar / (p_bar + 1e-8))
-            dp = dp_bar.take(bucket) / n_tok.take(set_id)[..., None] * okf
-            ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-            dK = ds[..., None] * (2 * diff / dist[..., None] if self.score == "idw" else qh.expand_as(diff))
-            return keys.new_zeros(keys.numel() // d, d).index_add(0, rows.reshape(-1), dK.reshape(-1, d)).view_as(keys)
+            dp = dp_bar.take(bucket) / n_tok * okf
+            ds = p * (dp - (p * dp).sum(-1, keepdim=True))  # softmax backward
+            grad = keys.new_zeros(keys.numel() // d, d).index_add(0, rows.reshape(-1), (ds[..., None] * ds_dK).reshape(-1, d))
+            return grad.view_as(keys)
 
     def _memorisation_key_grad(self, q, lk: Lookup, tgt, lw, state: State) -> Tensor:
         """App. B "w/o addr loss": the keys follow ½·mean over pairs and features of the MSE
