@@ -219,6 +219,7 @@ class Recorder:
         self.run_id = run_id or time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
         self.rows: list[dict] = []
         self._done: dict | None = None  # rows already in the file, by _key (read on first lookup)
+        self.git_sha = git_sha()  # the code this run started with (a later commit does not change it)
 
     @staticmethod
     def _key(suite, preset, layer, setting, seed, config_hash) -> str:
@@ -245,7 +246,7 @@ class Recorder:
             "seed": self.seed if seed is None else seed,
             "config": config,
             "config_hash": config_hash(config),
-            "git_sha": git_sha(),
+            "git_sha": self.git_sha,
             "versions": versions(),
             "hardware": hardware(),
             "wall_s": round(wall_s, 3),
