@@ -174,10 +174,12 @@ def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: flo
 
     and returns the summed loss as a float, non-finite ones included (the caller decides).
     `precision`: "fp32", or "bf16" (forward and loss under bf16 autocast, weights and optimizer
-    in fp32). `compile`: run the forward through ``torch.compile(model)``."""
+    in fp32). `compile`: run the forward through ``torch.compile(model, dynamic=False)`` (one graph
+    per input shape: a batch of another length compiles anew instead of turning every length
+    symbolic, which some mixers' compiled code does not support)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    fwd = torch.compile(model) if compile else model
+    fwd = torch.compile(model, dynamic=False) if compile else model
 
     def step(batches, lr: float | None = None) -> float:
         if lr is not None:

@@ -381,6 +381,8 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
     tc = SimpleNamespace(lr=lr, min_lr=lr * s.min_lr_ratio, warmup=s.warmup, steps=s.max_steps,
                          weight_decay=s.weight_decay)
     opt = torch.optim.AdamW(param_groups(model, tc), lr=lr, betas=(0.9, 0.98))
+    if s.compile:  # a new model: compile afresh (a worker's earlier cells would fill dynamo's per-function cache)
+        torch._dynamo.reset()
     train_step = make_step(model, opt, s.grad_clip, s.precision, s.compile)
     g = torch.Generator().manual_seed(seed)
     best, best_state, stale, stop = -1.0, None, 0, "capped"
