@@ -41,6 +41,11 @@ from memzoo.config import (
 )
 
 BASELINE = "baseline"  # the backbone with no memory layer
+# The controls, run with the baseline where a suite has them: the positive control is full softmax
+# attention in every block with a short convolution on q, k and v (Zoology's attention is
+# Hybrid([BaseConv, MHA]) for this reason), the negative one a backbone with no token mixer.
+POSITIVE, NEGATIVE = "ctrl:attention", "ctrl:none"
+CONTROLS = (POSITIVE, NEGATIVE)
 RESULTS = "results.jsonl"
 
 
@@ -127,10 +132,15 @@ def check_layers(names: list[str]) -> list[str]:
 def model_config(preset: Preset, layer: str, **backbone_overrides) -> ModelConfig:
     """The preset's backbone with `layer` plugged in (the backbone alone for BASELINE).
     `backbone_overrides` replace backbone fields (a suite's own sizes, e.g. the toys' vocab);
-    the layer's options are the preset's, as they are."""
+    the layer's options are the preset's, as they are. The controls replace the backbone's
+    mixers: attention with a short convolution (the GDN's width), or none."""
     base = {**preset.backbone, **backbone_overrides}
     if layer == BASELINE:
         return ModelConfig.from_dict(base)
+    if layer == POSITIVE:
+        return ModelConfig.from_dict({**base, "layout": "FA", "attn_conv": ModelConfig.from_dict(base).gdn_conv})
+    if layer == NEGATIVE:
+        return ModelConfig.from_dict({**base, "layout": "NONE"})
     from memzoo.registry import get_layer
 
     spec = preset.layers.get(layer, LayerSpec())
@@ -349,9 +359,20 @@ def mean_ci(values) -> tuple[float, float]:
     return m, (_T975[n - 2] if n - 2 < len(_T975) else 1.96) * sd / math.sqrt(n)
 
 
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval (lo, hi) of a proportion, hits out of n (exact-match
+    accuracy over samples): unlike mean ± t it stays inside [0, 1] and is not empty at 0 or n."""
+    if n == 0:
+        return float("nan"), float("nan")
+    p = hits / n
+    mid, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, (mid - half) / (1 + z * z / n)), min(1.0, (mid + half) / (1 + z * z / n))
+
+
 def layer_order(names) -> list[str]:
-    """Layer names for tables and figures: the baseline first, then the layers by name."""
-    return sorted(set(names), key=lambda n: (n != BASELINE, n))
+    """Layer names for tables and figures: the baseline first, then the layers by name, then
+    the controls."""
+    return sorted(set(names), key=lambda n: (n != BASELINE, n in CONTROLS, n))
 
 
 def save_png(fig, path: str | Path) -> Path:

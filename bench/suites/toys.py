@@ -134,7 +134,7 @@ import torch
 from tqdm.auto import tqdm
 
 from memzoo.backbone.model import HybridLM
-from memzoo.bench.common import BASELINE, Context, layer_order, mean_ci, save_png
+from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, Context, layer_order, mean_ci, model_config, save_png
 from memzoo.config import ConfigError, ModelConfig
 from memzoo.data import assoc_retrieval as ar
 from memzoo.data import mqar
@@ -142,8 +142,6 @@ from memzoo.train import lr_at, make_step, param_groups
 
 NAME = "toys"
 TASKS = ("mqar", "ar")
-POSITIVE, NEGATIVE = "ctrl:attention", "ctrl:none"
-CONTROLS = (POSITIVE, NEGATIVE)
 
 # shown under the suite's tables in the leaderboard
 EXPLANATION = """Accuracy is on the labelled positions of the test sets (MQAR: every query; Ba's task: the answer
@@ -276,12 +274,8 @@ def toy_config(preset, layer: str, width: int, vocab_size: int, s: Settings) -> 
         "gdn_head_dim": max(1, width // ref.gdn_heads),
         "attn_head_dim": max(1, width // ref.attn_heads),
     }
-    if layer == POSITIVE:
-        return ModelConfig.from_dict({**base, "layout": "FA", "attn_conv": ref.gdn_conv})
-    if layer == NEGATIVE:
-        return ModelConfig.from_dict({**base, "layout": "NONE"})
-    if layer == BASELINE:
-        return ModelConfig.from_dict(base)
+    if layer == BASELINE or layer in CONTROLS:
+        return model_config(preset, layer, **base)
     variant = s.variants.get(layer, {})
     layer = variant.get("layer", layer)
     spec = preset.layers.get(layer)
@@ -368,7 +362,7 @@ class Fit:
     steps: int  # training steps taken
     stop: str  # solved | plateau | capped | diverged
     train_loss: float  # mean of the last eval_every steps
-    tokens_per_s: float  # training tokens over the time of the training steps alone (the first left out)
+    tokens_per_s: float  # training tokens over the time of the training steps alone (the first of each shape left out)
 
 
 def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, device: str = "cpu",
@@ -386,15 +380,16 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
     train_step = make_step(model, opt, s.grad_clip, s.precision, s.compile)
     g = torch.Generator().manual_seed(seed)
     best, best_state, stale, stop = -1.0, None, 0, "capped"
-    losses, tokens, busy = [], 0, 0.0
+    losses, tokens, busy, shapes = [], 0, 0.0, set()
     model.train()
     for step in range(s.max_steps):
         x, y = (t.to(device) for t in task.batch(step, g))  # drawn on the CPU: the same data anywhere
         t0 = time.perf_counter()
         loss = train_step([(x, y)], lr_at(step, tc))
-        if step:  # the first step compiles (with `compile`): not in the throughput
+        if x.shape in shapes:  # the first step of each shape compiles (with `compile`): not in the throughput
             busy += time.perf_counter() - t0
             tokens += x.numel()
+        shapes.add(x.shape)
         losses.append(loss)
         if on_step is not None:
             on_step()
@@ -516,11 +511,6 @@ def _slices(df) -> list[str]:
     return sorted(cols, key=lambda c: float(c[len(ACC):]))
 
 
-def _order(names) -> list[str]:
-    """Baseline, the layers by name, then the controls."""
-    return [n for n in layer_order(names) if n not in CONTROLS] + [c for c in CONTROLS if c in set(names)]
-
-
 def _fmt(vals, ref=None) -> str:
     """'mean ± half' of a 95% t-interval; ▲/▼ where it lies wholly above/below `ref`'s."""
     m, h = mean_ci(vals)
@@ -557,7 +547,7 @@ def _task_table(df, task: str, slice_name: str):
     d = df[df["setting.task"] == task]
     base = d[d["layer"] == BASELINE]
     recs = []
-    for layer in _order(d["layer"]):
+    for layer in layer_order(d["layer"]):
         for w in sorted(d["setting.d_model"].unique()):
             g = d[(d["layer"] == layer) & (d["setting.d_model"] == w)].sort_values("seed")
             if g.empty:
@@ -601,7 +591,7 @@ def tables(df) -> dict:
         out[title] = t.reset_index(drop=True)
     first = df.sort_values("seed").groupby(["layer", "setting.task", "setting.d_model"], as_index=False).first()
     first = first[first["setting.task"] == next(t for t in TASKS if t in set(first["setting.task"]))]
-    order = {n: i for i, n in enumerate(_order(first["layer"]))}
+    order = {n: i for i, n in enumerate(layer_order(first["layer"]))}
     first = first.assign(_k=first["layer"].map(order)).sort_values(["_k", "setting.d_model"])
     out["Recurrent state per sequence (numbers) and parameters"] = pd.DataFrame({
         "layer": first["layer"].values,
@@ -631,7 +621,7 @@ def figures(df, out_dir: Path) -> list[Path]:
     m = df[df["setting.task"] == "mqar"]
     if m.empty or validity(df, "mqar"):
         return []
-    order = _order(m["layer"])
+    order = layer_order(m["layer"])
     palette = dict(zip(order, sns.color_palette("tab10", len(order))))
     widths = sorted(int(w) for w in m["setting.d_model"].unique())
     kvs = [int(c[len(ACC):]) for c in _slices(m)]
