@@ -3,10 +3,13 @@
 Every layer's LM is the preset's backbone with that layer plugged in, trained with the
 preset's `lm:` settings on the same batches: the training split of the corpus, without
 Shakespeare's Sonnets (the ppl suite's short-document corpus, so it stays unseen). For the
-tiny preset a fraction `niah.train_mix` of the training windows are needle samples (a short
-haystack with key-value needles and a question, `memzoo.data.niah.NeedleMix`): a 1M-parameter
-model trained for minutes never meets the question format in plain text, so without them the
-NIAH numbers would measure nothing. The paper preset trains on plain text (train_mix 0).
+CPU presets a fraction `niah.train_mix` of the training windows are needle samples (a short
+haystack with key-value needles and a question, `memzoo.data.niah.NeedleMix`), their answer
+tokens weighted `niah.answer_weight` in the loss: a 1M-parameter model trained for minutes
+never meets the question format in plain text, and with the plain loss it does not learn to
+copy the answer, so without them the NIAH numbers would measure nothing. The paper preset
+trains on plain text (train_mix 0). With the baseline come the controls' LMs (`models`: full
+attention with a short convolution, and no token mixer) where `niah.controls` is on.
 
 A trained LM is cached under ``<work_dir>/lm/<layer>-<hash>/`` (the hash covers the model,
 the training settings, the mixture and the seed), so the suites of one run, and later runs
@@ -32,23 +35,43 @@ HELD_OUT_TITLES = ("Sonnets",)  # the ppl suite's short-document corpus comes fr
 _loaded: dict[str, tuple[HybridLM, dict]] = {}
 
 
-def lm_config(ctx: Context, layer: str) -> tuple[RunConfig, float, str]:
-    """The run config of `layer`'s LM, its needle fraction, and the cache key."""
+def _mixture(ctx: Context) -> dict:
+    """The needle mixture of the LMs' training data (the niah suite's settings)."""
     from memzoo.bench.suites import niah
 
-    mix = ctx.preset.settings(niah.NAME, niah.Settings).train_mix
+    s = ctx.preset.settings(niah.NAME, niah.Settings)
+    return {"train_mix": s.train_mix, **({"answer_weight": s.answer_weight} if s.answer_weight != 1 else {})}
+
+
+def models(ctx: Context, layer: str) -> list[str]:
+    """The LMs the ppl and niah suites evaluate for `layer`: the layer's, and with the baseline
+    the controls' where the niah suite's `controls` is on."""
+    from memzoo.bench.common import BASELINE, CONTROLS
+    from memzoo.bench.suites import niah
+
+    controls = layer == BASELINE and ctx.preset.settings(niah.NAME, niah.Settings).controls
+    return [layer, *(CONTROLS if controls else ())]
+
+
+def lm_config(ctx: Context, layer: str) -> tuple[RunConfig, dict, str]:
+    """The run config of `layer`'s LM, its needle mixture, and the cache key."""
+    mix = _mixture(ctx)
     tc = lm_train_config(ctx.preset, seed=ctx.seed, device=ctx.device)
     rc = RunConfig(model_config(ctx.preset, layer), tc)
-    key = config_hash({**rc.to_dict(), "train_mix": mix, "held_out": HELD_OUT_TITLES, "version": 1})
+    key = config_hash({**rc.to_dict(), **mix, "held_out": HELD_OUT_TITLES, "version": 1})
     rc.train.out_dir = str(Path(ctx.work_dir) / "lm" / f"{layer}-{key}")
     return rc, mix, key
 
 
 def untrained_steps(ctx: Context, layer: str) -> int:
-    """The training steps `shared_lm` will run for `layer`: none where its LM is cached."""
-    rc, _, _ = lm_config(ctx, layer)
-    done = str(rc.train.out_dir) in _loaded or (Path(rc.train.out_dir) / "lm.json").exists()
-    return 0 if done else rc.train.steps
+    """The training steps `shared_lm` will run for `layer`'s LMs (see `models`): none for one
+    that is cached."""
+    steps = 0
+    for name in models(ctx, layer):
+        rc, _, _ = lm_config(ctx, name)
+        done = str(rc.train.out_dir) in _loaded or (Path(rc.train.out_dir) / "lm.json").exists()
+        steps += 0 if done else rc.train.steps
+    return steps
 
 
 def shared_lm(ctx: Context, layer: str) -> tuple[HybridLM, dict]:
@@ -68,7 +91,7 @@ def shared_lm(ctx: Context, layer: str) -> tuple[HybridLM, dict]:
         model.load_state_dict(load_tensors(out / "model.pt", map_location=ctx.device))
     else:
         t0 = time.time()
-        data = prepare_data(rc, leave_out=HELD_OUT_TITLES, needle_mix=mix)
+        data = prepare_data(rc, leave_out=HELD_OUT_TITLES, needle_mix=mix["train_mix"], answer_weight=mix.get("answer_weight", 1.0))
         doing = lambda r: f"lm {layer} step {r['step']}/{rc.train.steps} loss {r['loss']:.3f}"  # noqa: E731
         result = train(rc, data=data, progress=False, overwrite=True, on_step=lambda r: ctx.advance(1, doing(r)))
         model = result["model"]
@@ -79,8 +102,9 @@ def shared_lm(ctx: Context, layer: str) -> tuple[HybridLM, dict]:
             "steps": result["step"],
             "train_wall_s": round(time.time() - t0, 1),
             "params": sum(p.numel() for p in model.parameters()),
-            "train_mix": mix,
-            "config": {**rc.to_dict(), "train_mix": mix},
+            "tokens": result["step"] * rc.train.batch_size * rc.train.grad_accum * rc.train.seq_len,
+            **mix,
+            "config": {**rc.to_dict(), **mix},
         }
         torch_save(model.state_dict(), out / "model.pt")
         (out / "ckpt.pt").unlink(missing_ok=True)  # the optimizer state is not needed again

@@ -114,12 +114,12 @@ def evaluate(model: HybridLM, batches: list) -> float:
     return sum(losses) / len(losses)
 
 
-def prepare_data(rc: RunConfig, leave_out: tuple[str, ...] = (), needle_mix: float = 0.0):
+def prepare_data(rc: RunConfig, leave_out: tuple[str, ...] = (), needle_mix: float = 0.0, answer_weight: float = 1.0):
     """(training stream, validation batches, unigram entropy of the validation text) of
     `rc.train`'s corpus: its documents split into training and validation by the seed, tokenized.
     `leave_out`: titles of training documents to drop (a corpus kept unseen for evaluation);
-    `needle_mix`: the fraction of training windows replaced by needle samples
-    (:class:`memzoo.data.niah.NeedleMix`)."""
+    `needle_mix`: the fraction of training windows replaced by needle samples, whose answer
+    tokens weigh `answer_weight` in the loss (:class:`memzoo.data.niah.NeedleMix`)."""
     from memzoo.data import LMStream, get_tokenizer, load_corpus, split_documents, tokenize_corpus, unigram_entropy
 
     tc = rc.train
@@ -139,16 +139,34 @@ def prepare_data(rc: RunConfig, leave_out: tuple[str, ...] = (), needle_mix: flo
     if needle_mix > 0:
         from memzoo.data.niah import NeedleMix
 
-        stream = NeedleMix(stream, list(train_ds["text"]), tok, tc.seq_len, mix=needle_mix, seed=tc.seed)
+        stream = NeedleMix(stream, list(train_ds["text"]), tok, tc.seq_len, mix=needle_mix, seed=tc.seed,
+                           answer_weight=answer_weight)
     val_stream = LMStream(val_docs, tc.seq_len, seed=10_000 + tc.seed)
     val_batches = [val_stream.batch(i, tc.batch_size) for i in range(tc.eval_batches)]
     h = unigram_entropy(torch.cat(val_docs), tok.vocab_size)
     return stream, val_batches, h
 
 
-def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """A HybridLM's training loss: next-token cross-entropy plus its memories' auxiliary losses."""
-    return model(x, targets=y).loss
+def lm_loss(model, x: torch.Tensor, y) -> torch.Tensor:
+    """A HybridLM's training loss: next-token cross-entropy plus its memories' auxiliary losses.
+    `y`: the targets, or ``(targets, weights)``: then the cross-entropy is the weighted mean
+    sum(w * ce) / sum(w) over the targets that are not ignored (-100), as
+    :class:`memzoo.data.niah.NeedleMix` weights the answer tokens."""
+    if not isinstance(y, tuple):
+        return model(x, targets=y).loss
+    y, w = y
+    out = model(x, targets=y)
+    ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="none")
+    w = w.flatten().float() * (y.flatten() != -100)
+    loss = (ce * w).sum() / w.sum()
+    return loss if out.aux_loss is None else loss + out.aux_loss
+
+
+def to_device(batch, device: str):
+    """A batch (tensors, and tuples of them) on `device`."""
+    if isinstance(batch, tuple):
+        return tuple(to_device(b, device) for b in batch)
+    return batch.to(device)
 
 
 PRECISIONS = ("fp32", "bf16")
@@ -287,7 +305,7 @@ def train(
     while step < tc.steps:
         lr = lr_at(step, tc)
         micro = (stream.batch(step * tc.grad_accum + i, tc.batch_size) for i in range(tc.grad_accum))
-        loss_sum = train_step([(x.to(tc.device), y.to(tc.device)) for x, y in micro], lr)
+        loss_sum = train_step([to_device(b, tc.device) for b in micro], lr)
         if not math.isfinite(loss_sum):
             stop(f"loss is {loss_sum}", step + 1, lr)
         step += 1

@@ -23,7 +23,7 @@ MICRO = {
                                                 "chunk_size": 16}}},
     "train": {"corpus": "shakespeare", "tokenizer": "byte", "seq_len": 96, "batch_size": 2, "steps": 3,
               "warmup": 1, "eval_every": 3, "eval_batches": 1, "ckpt_every": 100},
-    "ppl": {"seq_len": 32, "max_tokens": 96},
+    "ppl": {"seq_len": 32, "max_tokens": 96, "passages": 3, "passage_len": 16},
     "niah": {"train_mix": 0.5},
 }
 
@@ -86,11 +86,20 @@ def test_ppl_protocol(micro, tmp_path):
 
     ctx = Context(load_preset(micro), 0, Recorder(tmp_path, "micro", 0), tmp_path / "work", progress=False)
     rows = ppl.run(ctx, [BASELINE, "fwpkm"])
+    probe = {r["layer"]: r["metrics"] for r in rows if r["setting"]["corpus"] == "repeat"}
+    rows = [r for r in rows if r["setting"]["corpus"] != "repeat"]
     loss = {(r["layer"], r["setting"]["corpus"], r["setting"]["mode"]): r["metrics"]["loss"] for r in rows}
     for corpus in ("shakespeare", "sonnets"):
         assert loss[(BASELINE, corpus, "carry")] == loss[(BASELINE, corpus, "reset")]
         assert loss[("fwpkm", corpus, "carry")] != loss[("fwpkm", corpus, "reset")]
     assert all(math.isfinite(v) and r["metrics"]["tokens"] == 96 for r, v in zip(rows, loss.values()))
+    carry = {(r["layer"], r["setting"]["corpus"]): r["metrics"] for r in rows if r["setting"]["mode"] == "carry"}
+    assert carry[(BASELINE, "sonnets")]["gain"] == 0 and carry[(BASELINE, "sonnets")]["gain_half"] == 0
+    # 96 tokens of a play in sequences of 32: targets 1..96 of the document, all in the first bucket
+    assert carry[("fwpkm", "shakespeare")]["by_position"] == {"0-256": pytest.approx(loss[("fwpkm", "shakespeare", "carry")])}
+    # the baseline carries nothing from the first reading: the second is the same computation
+    assert probe[BASELINE]["gain"] == 0 and probe[BASELINE]["first_loss"] == probe[BASELINE]["second_loss"]
+    assert probe["fwpkm"]["gain"] != 0 and probe["fwpkm"]["n_passages"] == 3
     model, _ = shared_lm(ctx, "fwpkm")
     before = {k: v.clone() for k, v in model.memories()[0].state.items()}
     ppl.eval_corpus(model, [torch.arange(80) % 50], ppl.Settings(seq_len=32), "carry", "cpu")
@@ -144,8 +153,9 @@ def test_workers_measure_what_one_process_measures(micro, tmp_path):
     one = run_bench("fwpkm", "ppl", str(micro), out=tmp_path / "a", work_dir=tmp_path / "wa", progress=False, jobs=1)
     two = run_bench("fwpkm", "ppl", str(micro), out=tmp_path / "b", work_dir=tmp_path / "wb", progress=False, jobs=2)
     key = lambda r: (r["layer"], json.dumps(r["setting"], sort_keys=True))  # noqa: E731
-    loss = lambda rows: {key(r): r["metrics"]["loss"] for r in rows}  # noqa: E731
-    assert len(two) == len(one) == 8 and loss(two) == loss(one)
+    loss = lambda rows: {key(r): r["metrics"].get("loss", r["metrics"].get("second_loss")) for r in rows}  # noqa: E731
+    # 2 layers x (2 corpora x {carry, reset} + the repeated-passage probe)
+    assert len(two) == len(one) == 10 and loss(two) == loss(one)
     assert len({r["run_id"] for r in two}) == 1
 
 

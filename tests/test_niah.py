@@ -14,7 +14,7 @@ import torch
 import memzoo.layers  # noqa: F401  (registers the layers)
 from memzoo.backbone.model import HybridLM
 from memzoo.bench.suites import niah as suite
-from memzoo.bench.common import load_preset, model_config
+from memzoo.bench.common import load_preset, model_config, wilson
 from memzoo.data import LMStream, get_tokenizer
 from memzoo.data.niah import NEEDLE, NeedleMix, TextSource, make_sample, niah_samples
 
@@ -102,6 +102,20 @@ def test_needle_mix_is_deterministic_and_mixes_the_fraction():
                     assert f"Remember {key}={value}.\n" in text
     assert 0.2 < changed / n < 0.4
     assert torch.equal(NeedleMix(plain, TRAIN, TOK, 128, mix=0.0).batch(3, 4)[0], plain.batch(3, 4)[0])
+    weighted = NeedleMix(plain, TRAIN, TOK, 128, mix=0.3, seed=0, answer_weight=20.0)
+    for step in range(10):  # the same windows; the answer digits (and nothing else) weigh 20
+        x, y = mix.batch(step, 16)
+        wx, (wy, w) = weighted.batch(step, 16)
+        assert torch.equal(x, wx) and torch.equal(y, wy) and set(w.unique().tolist()) <= {1.0, 20.0}
+        for r in range(16):
+            text = TOK.decode(torch.cat([x[r], y[r, -1:]]))
+            answers = [m.span(1) for m in re.finditer(r"\nWhat is [a-z]{4}\? [a-z]{4}=(\d{6})", text)]
+            want = torch.zeros(128)
+            for a, b in answers:  # target t is token t + 1 of the window
+                want[a - 1 : b - 1] = 1
+            assert torch.equal(w[r] == 20.0, want.bool())
+    with pytest.raises(ValueError, match="answer_weight"):
+        NeedleMix(plain, TRAIN, TOK, 128, answer_weight=0.0)
     with pytest.raises(ValueError, match="too short"):
         NeedleMix(plain, TRAIN, TOK, 40, mix=0.3)
 
@@ -177,31 +191,55 @@ def test_settings_reject_unknown_keys_and_bad_values():
 # ---- tables and figures -------------------------------------------------------------------------
 
 
-def fake_rows() -> pd.DataFrame:
+def fake_rows(control_acc: float = 1.0, controls: bool = True) -> pd.DataFrame:
+    """NIAH rows of 8 samples at 192 tokens (inside the LMs' 256-token training length) and 1K."""
     rows = []
-    for layer in ("fwpkm", "baseline"):
-        for length in (1024, 4096):
+    layers = {"fwpkm": 2, "baseline": 0, **({"ctrl:attention": 0, "ctrl:none": 0} if controls else {})}
+    for layer, k in layers.items():
+        for length in (192, 1024):
             for n in (1, 2, 3, 4):
-                acc = min(1.0, 0.1 * n * (2 if layer == "fwpkm" else 1))
+                acc = min(1.0, 0.125 * n * k)
+                if layer == "ctrl:attention":
+                    acc = control_acc
+                lo, hi = wilson(round(8 * acc), 8)
                 rows.append({
                     "suite": "niah", "layer": layer, "preset": "tiny", "seed": 0, "wall_s": 1.0,
                     "setting": {"length": length, "n_iter": n},
-                    "metrics": {"accuracy": acc, "digit_accuracy": acc, "answer_nll": 2.3 - acc, "n_samples": 8, "tokens_per_s": 1000.0 + length,
-                                "peak_rss_gib": 0.5, "by_depth": {"0-50%": acc, "50-100%": acc / 2}},
+                    "metrics": {"accuracy": acc, "accuracy_lo": lo, "accuracy_hi": hi, "digit_accuracy": max(acc, 0.1),
+                                "answer_nll": 2.3 - acc, "n_samples": 8, "tokens_per_s": 1000.0 + length,
+                                "peak_rss_gib": 0.5, "by_depth": {"0-50%": acc, "50-100%": acc / 2},
+                                "inside_training": length < 256},
                 })
     return pd.json_normalize(rows)
+
+
+def test_wilson_interval_hand_computed():
+    # 5 of 10: p = 0.5, centre (0.5 + 1.96^2/20) / (1 + 1.96^2/10), half-width 1.96 sqrt(0.025 + 1.96^2/400) / (1 + 1.96^2/10)
+    assert wilson(5, 10) == pytest.approx((0.23659, 0.76341), abs=1e-5)
+    assert wilson(0, 10) == pytest.approx((0.0, 0.27754), abs=1e-5)  # upper: z^2/n / (1 + z^2/n)
+    assert wilson(10, 10) == pytest.approx((0.72246, 1.0), abs=1e-5)
 
 
 def test_tables_and_figures(tmp_path):
     df = fake_rows()
     t = suite.tables(df)
-    acc = t["NIAH exact-match accuracy (%), length x n-iter"]
-    assert list(acc.index) == ["baseline", "fwpkm"] and list(acc.columns)[:2] == ["1K x1", "1K x2"]
-    assert acc.loc["fwpkm", "4K x2"] == 40.0
-    assert len(t) == 4 and t["NIAH answer NLL (nats per answer token; chance 2.303), length x n-iter"].loc["baseline", "1K x1"] == 2.2
-    assert list(t["NIAH throughput and memory"]["layer"]) == ["baseline", "baseline", "fwpkm", "fwpkm"]
+    acc = t["NIAH exact-match accuracy (%) [95% interval over samples], length x n-iter"]
+    assert list(acc.index) == ["baseline", "fwpkm", "ctrl:attention", "ctrl:none"]
+    assert list(acc.columns)[:2] == ["192 x1", "192 x2"]
+    assert acc.loc["baseline", "192 x1"] == "0.0 [0, 32]"  # 0 of 8: upper z^2/8 / (1 + z^2/8)
+    assert acc.loc["fwpkm", "1K x2"] == "50.0 [22, 78]"  # 4 of 8: overlaps the baseline's [0, 32]
+    assert acc.loc["fwpkm", "1K x3"] == "75.0 [41, 93] ▲"  # 6 of 8: wholly above it
+    assert t["NIAH answer NLL (nats per answer token; chance 2.303), length x n-iter"].loc["fwpkm", "1K x1"] == 2.05
+    assert list(t["NIAH throughput and memory"]["layer"])[:2] == ["baseline", "baseline"]
     for table in t.values():
         table.to_markdown()
+    for bad, why in ((fake_rows(control_acc=0.875), "positive control's exact match is 87.5% at 192 tokens"),
+                     (fake_rows(controls=False), "the controls were not run")):
+        t = suite.tables(bad)
+        (title, table), = [(k, v) for k, v in t.items() if "exact-match" in k]
+        assert title.startswith("HARNESS INVALID") and why in title
+        assert set(table.index) <= {"ctrl:attention", "ctrl:none"}  # layer rows withheld
+        assert all(set(v.get("layer", pd.Series(dtype=str))) <= {"ctrl:attention", "ctrl:none"} for v in t.values())
     df = df[df["setting.n_iter"] <= 2]  # fewer panels: the same code, faster
     paths = suite.figures(df, tmp_path / "a")
     assert [p.name for p in paths] == ["niah_iters.png", "niah_depth.png"]

@@ -93,3 +93,31 @@ def test_train_step_accumulates_micro_batches_and_runs_bf16(tmp_path):
     assert math.isfinite(make_step(model, opt, precision="bf16")([(x, y)]))
     with pytest.raises(ValueError, match="precision must be one of fp32, bf16"):
         make_step(model, opt, precision="fp16")
+
+
+def test_lm_loss_weights_the_targets(tmp_path):
+    """lm_loss with (targets, weights): sum(w * ce) / sum(w) over the targets that are not -100,
+    plus the memories' auxiliary loss; all-ones weights give the plain loss."""
+    from memzoo.backbone.model import HybridLM
+    from memzoo.train import lm_loss
+
+    torch.manual_seed(0)
+    mc = _rc(tmp_path, layout="GDN | mom@1").model
+    mc.memory = {"mom": layer_options("mom")}  # MoM has an auxiliary (load-balancing) loss
+    model = HybridLM(mc)
+    x = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(1))
+    y = torch.roll(x, -1, 1)
+    y[0, 3] = -100
+    w = torch.ones(2, 16)
+    w[1, 5], w[0, 7], w[0, 3] = 20.0, 5.0, 7.0  # the weight of an ignored target does not count
+    out = model(x, targets=y)
+    logp = torch.log_softmax(out.logits.float(), -1)
+    num = den = 0.0
+    for b in range(2):
+        for t in range(16):
+            if y[b, t] != -100:
+                num += -w[b, t] * logp[b, t, y[b, t]]
+                den += w[b, t]
+    want = num / den + out.aux_loss
+    assert out.aux_loss is not None and lm_loss(model, x, (y, w)).item() == pytest.approx(want.item(), rel=1e-5)
+    assert lm_loss(model, x, (y, torch.ones(2, 16))).item() == pytest.approx(out.loss.item(), rel=1e-5)

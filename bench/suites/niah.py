@@ -71,8 +71,8 @@ from pathlib import Path
 
 import torch
 
-from memzoo.bench.common import BASELINE, Context, layer_order, save_png
-from memzoo.data.niah import NiahSample, TextSource, depth_bins, depth_label, niah_samples
+from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, Context, layer_order, save_png, wilson
+from memzoo.data.niah import NiahSample, TextSource, _question, depth_bins, depth_label, niah_samples
 
 NAME = "niah"
 
@@ -98,6 +98,8 @@ class Settings:
     piece: int = 1024  # tokens per streamed call; a multiple of every unstretched layer's chunk (FWL's 256) streams exactly
     stretch_chunk: bool = True  # one memory update per pass for chunk-level layers (C = haystack length)
     train_mix: float = 0.3  # fraction of needle windows in the shared LM's training (memzoo.bench.lm)
+    answer_weight: float = 1.0  # weight of the needle windows' answer tokens in the LM loss (NeedleMix)
+    controls: bool = False  # with the baseline, the controls' LMs: attention + short conv (positive), no mixer (negative)
     seed: int = 1234  # the eval samples' seed (the same haystacks for every layer)
 
     def __post_init__(self):
@@ -112,6 +114,8 @@ class Settings:
                 raise ConfigError(f"niah.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.train_mix <= 1.0:
             raise ConfigError(f"niah.train_mix must be in [0, 1], got {self.train_mix}")
+        if not self.answer_weight > 0:
+            raise ConfigError(f"niah.answer_weight must be > 0, got {self.answer_weight}")
         self.lengths = sorted({int(n) for n in self.lengths})
         self.iters = sorted({int(n) for n in self.iters})
 
@@ -221,8 +225,11 @@ def evaluate_niah(
                     sel = [h for h, d in zip(hits[n], depths) if d == b]
                     if sel:
                         by_depth[depth_label(lo, hi)] = sum(sel) / len(sel)
+                lo, hi = wilson(sum(hits[n]), len(hits[n]))
                 metrics = {
                     "accuracy": sum(hits[n]) / len(hits[n]),
+                    "accuracy_lo": lo,
+                    "accuracy_hi": hi,
                     "digit_accuracy": sum(digits[n]) / len(digits[n]),
                     "answer_nll": sum(nll[n]) / len(nll[n]),
                     "n_samples": len(samples),
@@ -247,18 +254,20 @@ USES_LM = True  # evaluates the shared LM of memzoo.bench.lm
 
 
 def work(ctx: Context, layer: str) -> int:
-    """Units of work for the progress bar: the samples of one layer (every length)."""
+    """Units of work for the progress bar: the samples of one layer's LMs (every length)."""
+    from memzoo.bench.lm import models
+
     s = ctx.preset.settings(NAME, Settings)
-    return len(s.lengths) * s.samples
+    return len(models(ctx, layer)) * len(s.lengths) * s.samples
 
 
 def run(ctx: Context, layers: list[str]) -> list[dict]:
-    from memzoo.bench.lm import shared_lm
+    from memzoo.bench.lm import models, shared_lm
     from memzoo.data import get_tokenizer
 
     s = ctx.preset.settings(NAME, Settings)
     rows, sources = [], {}
-    for layer in layers:
+    for layer in [m for name in layers for m in models(ctx, name)]:
         model, info = shared_lm(ctx, layer)
         tc = info["config"]["train"]
         tok = get_tokenizer(tc["tokenizer"])
@@ -266,11 +275,14 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
         if key not in sources:
             sources[key] = TextSource(eval_texts(tc["corpus"], tc["seed"]), tok)
         config = {"lm": info["config"], "niah": asdict(s)}
+        q, a = _question(tok, "qzfa", "4" * 6)
+        qa = q.numel() + a.numel() - 1  # the question and the answer but its last token are inputs
         def on_sample(length: int, layer=layer) -> None:
             ctx.advance(1, f"niah {layer} {length} tokens")
 
         for r in evaluate_niah(model, sources[key], tok, s, ctx.device, on_sample):
-            r["metrics"].update(lm_val_loss=info["val_loss"], lm_steps=info["steps"], params=info["params"])
+            r["metrics"].update(lm_val_loss=info["val_loss"], lm_steps=info["steps"], lm_tokens=info.get("tokens"),
+                                inside_training=r["setting"]["length"] + qa <= tc["seq_len"], params=info["params"])
             rows.append(ctx.record(NAME, layer, r["setting"], r["metrics"], config, r["wall_s"]))
     return rows
 
@@ -282,9 +294,40 @@ def _len_label(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
+def validity(df) -> list[str]:
+    """What makes the harness invalid (empty: valid): the controls not run, no haystack length
+    inside the LMs' training length, the positive control below 90% exact match at such a
+    length (1-iter), or the negative control's digits above twice chance (0.1)."""
+    pos, neg = df[df["layer"] == POSITIVE], df[df["layer"] == NEGATIVE]
+    if pos.empty or neg.empty:
+        return ["the controls were not run (niah.controls)"]
+    flag = pos["metrics.inside_training"].fillna(False).astype(bool) if "metrics.inside_training" in pos else False
+    inside = pos[(pos["setting.n_iter"] == 1) & flag]
+    if inside.empty:
+        return ["no haystack length inside the LMs' training length (add one to niah.lengths)"]
+    out = [f"the positive control's exact match is {100 * a:.1f}% at {_len_label(int(n))} tokens (< 90%)"
+           for n, a in zip(inside["setting.length"], inside["metrics.accuracy"]) if a < 0.9]
+    worst = neg["metrics.digit_accuracy"].max()
+    if worst > 0.2:
+        out.append(f"the negative control gets {100 * worst:.1f}% of the digits, above twice chance (10%)")
+    return out
+
+
+def _cell(row, base) -> str:
+    """'acc [lo, hi]' in %, with ▲/▼ where the interval lies wholly above/below the baseline's."""
+    acc, lo, hi = (100 * row.get(f"metrics.{k}", float("nan")) for k in ("accuracy", "accuracy_lo", "accuracy_hi"))
+    if math.isnan(lo):
+        return f"{acc:.1f}"
+    mark = ""
+    if base is not None and not math.isnan(base.get("metrics.accuracy_lo", float("nan"))):
+        mark = " ▲" if lo > 100 * base["metrics.accuracy_hi"] else " ▼" if hi < 100 * base["metrics.accuracy_lo"] else ""
+    return f"{acc:.1f} [{lo:.0f}, {hi:.0f}]{mark}"
+
+
 def tables(df) -> dict:
-    """Accuracy (%), digits right (%) and answer NLL by layer x (length, n-iter); throughput and
-    peak memory by layer x length."""
+    """Exact match (%, with its 95% Wilson interval over the samples; ▲/▼ against the baseline),
+    digits right (%) and answer NLL by layer x (length, n-iter); throughput and peak memory by
+    layer x length. Where the controls fail (`validity`), the layer rows are withheld."""
     import pandas as pd
 
     if df.empty:
@@ -295,10 +338,19 @@ def tables(df) -> dict:
         f"{_len_label(l)} x{n}"
         for l, n in sorted({(int(l), int(n)) for l, n in zip(df["setting.length"], df["setting.n_iter"])})
     ]
+    bad = validity(df)
+    if bad:
+        df = df[df["layer"].isin(CONTROLS)]
     order = layer_order(df["layer"])
-    out = {}
+    records = df.to_dict("records")
+    base = {r["col"]: r for r in records if r["layer"] == BASELINE}
+    cells = {(r["layer"], r["col"]): _cell(r, None if r["layer"] == BASELINE else base.get(r["col"])) for r in records}
+    acc = pd.DataFrame({c: [cells.get((layer, c), "") for layer in order] for c in cols}, index=pd.Index(order, name="layer"))
+    title = "NIAH exact-match accuracy (%) [95% interval over samples], length x n-iter"
+    out = {f"HARNESS INVALID ({'; '.join(bad)}): layer rows withheld; {title}" if bad else title: acc}
+    if df.empty:
+        return out
     for title, metric, scale, digits in (
-        ("NIAH exact-match accuracy (%), length x n-iter", "metrics.accuracy", 100, 1),
         ("NIAH answer digits right (%), length x n-iter", "metrics.digit_accuracy", 100, 1),
         ("NIAH answer NLL (nats per answer token; chance 2.303), length x n-iter", "metrics.answer_nll", 1, 3),
     ):
@@ -330,6 +382,8 @@ def figures(df, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     import seaborn as sns
 
+    if validity(df):  # the layer rows are withheld, as in the tables
+        df = df[df["layer"].isin(CONTROLS)]
     if df.empty:
         return []
     out_dir = Path(out_dir)

@@ -20,8 +20,23 @@ Two modes per corpus, on the same trained LM:
 
 The gap ``reset - carry`` is what a layer's memory of earlier sequences is worth. Metrics are
 the mean next-token loss (nats/token) over every predicted token and its exponential; for
-byte-level tokenizers also bits per byte. Layers whose `stats()` report gate values (FwPKM)
+byte-level tokenizers also bits per byte. The carry row adds the gap with a 95% t-interval
+over the paired per-sequence losses (``gain``, ``gain_half``: sequences of one document are
+not independent, so read it as a guide) and the loss by position within the document
+(``by_position``, buckets 0-256, 256-1K, 1K-4K, ... tokens: the length-extrapolation curve of
+fla's evals/ppl.py, with the memory carried). Layers whose `stats()` report gate values (FwPKM)
 add the histogram of their gates over the carried evaluation (the paper's Figure 3).
+
+The repeated-passage probe (setting ``{"corpus": "repeat", "mode": "carry"}``): ``passages``
+held-out passages of ``passage_len`` tokens (the sonnets, unseen in training), each read
+twice, the second reading in a new sequence with the carried state of the first: the memory
+layers' fast weights, as in ``carry`` (the backbone's mixers start empty), and for the positive
+control (``ctrl:attention``, with the baseline where ``niah.controls`` is on) its attention KV
+cache, the memory that holds the whole first reading. ``gain`` = loss of the first reading -
+loss of the second (mean over passages, with a 95% t-interval): what the memory recalls of a
+passage it has read once, which is what an episodic memory is for. The baseline carries
+nothing, so its gain is 0 by construction (a check of the harness); the control shows what
+recall of the whole passage is worth.
 """
 
 from __future__ import annotations
@@ -34,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from memzoo.bench.common import Context, layer_order, save_png
+from memzoo.bench.common import POSITIVE, Context, layer_order, mean_ci, save_png
 
 NAME = "ppl"
 MODES = ("carry", "reset")
@@ -46,14 +61,36 @@ class Settings:
     seq_len: int = 256  # tokens per evaluated sequence (the paper: 4096)
     max_tokens: int = 32768  # per corpus: whole sequences in document order up to this many tokens
     reset_at_document: bool = True  # carry mode: fast weights back to their start at each document
+    passages: int = 32  # the repeated-passage probe: passages read twice (0: no probe)
+    passage_len: int = 128  # tokens per passage (twice this within the LMs' training length)
+
+    def __post_init__(self):
+        from memzoo.config import ConfigError
+
+        for name in ("seq_len", "max_tokens", "passage_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ppl.{name} must be >= 1, got {getattr(self, name)}")
+        if self.passages < 0:
+            raise ConfigError(f"ppl.passages must be >= 0, got {self.passages}")
+
+
+POSITIONS = (0, 256, 1024, 4096, 16384, 65536)  # bucket edges of the loss by position in a document
+
+
+def _bucket(lo: int, hi: int | None) -> str:
+    label = lambda n: f"{n // 1024}K" if n >= 1024 else str(n)  # noqa: E731
+    return f"{label(lo)}-{label(hi)}" if hi is not None else f"{label(lo)}+"
 
 
 def eval_corpus(model, docs: list[torch.Tensor], s: Settings, mode: str, device: str) -> dict:
-    """Mean loss over `docs` in order, batch 1, sequences of `s.seq_len`, in `mode`."""
+    """Mean loss over `docs` in order, batch 1, sequences of `s.seq_len`, in `mode`; with the
+    per-sequence losses (``seq_loss``, for paired intervals) and the loss by position in the
+    document (``by_position``)."""
     from memzoo.data import sequential_chunks
 
     mems = model.memories()
     start = model.memory_state(persistent_only=True)  # the trained fast weights
+    edges = list(POSITIONS)
 
     chunks = []
     n = 0
@@ -63,14 +100,24 @@ def eval_corpus(model, docs: list[torch.Tensor], s: Settings, mode: str, device:
         chunks.append((x, y, first))
         n += x.numel()
     nll, count, gates, t0 = 0.0, 0, {}, time.time()
+    seq_loss, pos_nll, pos_n = [], [0.0] * len(edges), [0] * len(edges)
     with torch.no_grad():
         for x, y, first in chunks:
+            if first:
+                at = 1  # the position in the document of the first target (t[0] has no context)
             if mode == "reset" or (first and s.reset_at_document):
                 model.load_memory_state(start)
             x, y = x[None].to(device), y[None].to(device)
             out = model(x, targets=y, keep_memory=(mode == "carry"))
-            nll += F.cross_entropy(out.logits[0].float(), y[0], reduction="sum").item()
+            ce = F.cross_entropy(out.logits[0].float(), y[0], reduction="none").cpu()
+            nll += ce.sum().item()
             count += y.numel()
+            seq_loss.append(ce.mean().item())
+            which = torch.bucketize(torch.arange(at, at + ce.numel()), torch.tensor(edges[1:]), right=True)
+            for b in which.unique().tolist():
+                pos_nll[b] += ce[which == b].sum().item()
+                pos_n[b] += int((which == b).sum())
+            at += ce.numel()
             if mode == "carry":
                 for i, m in enumerate(mems):
                     h = m.stats().get("gate_hist")
@@ -78,78 +125,164 @@ def eval_corpus(model, docs: list[torch.Tensor], s: Settings, mode: str, device:
                         gates[i] = [a + b for a, b in zip(gates.get(i, [0.0] * len(h)), h)]
     model.load_memory_state(start)  # leave the model's memories as they were trained
     loss = nll / max(count, 1)
-    out = {"loss": loss, "ppl": math.exp(loss), "tokens": count, "tokens_per_s": count / (time.time() - t0)}
+    out = {"loss": loss, "ppl": math.exp(loss), "tokens": count, "tokens_per_s": count / (time.time() - t0),
+           "seq_loss": seq_loss,
+           "by_position": {_bucket(lo, hi): pos_nll[b] / pos_n[b]
+                           for b, (lo, hi) in enumerate(zip(edges, [*edges[1:], None])) if pos_n[b]}}
     if gates:
         out["gate_hist"] = {f"mem{i}": [c / sum(h) for c in h] for i, h in gates.items()}
     return out
+
+
+def repeat_probe(model, passages: list[torch.Tensor], carry_cache: bool, device: str) -> dict:
+    """Each passage read twice, the second reading in a new sequence with the first's carried
+    state: the memories' fast weights, and with `carry_cache` the backbone's cache too.
+    Returns the mean loss of each reading and the gain (first - second) with its 95% t-interval
+    over the passages."""
+    start = model.memory_state(persistent_only=True)
+    first, second = [], []
+    with torch.no_grad():
+        for p in passages:
+            x, y = p[None, :-1].to(device), p[None, 1:].to(device)
+            model.load_memory_state(start)  # trained fast weights; per-sequence memories start anew
+            one = model(x, targets=y, use_cache=carry_cache)
+            two = model(x, targets=y, cache=one.cache, keep_memory=True)
+            first.append(one.loss.item())
+            second.append(two.loss.item())
+    model.load_memory_state(start)
+    gain, half = mean_ci([a - b for a, b in zip(first, second)])
+    return {"first_loss": sum(first) / len(first), "second_loss": sum(second) / len(second), "gain": gain,
+            "gain_half": half, "n_passages": len(passages)}
 
 
 USES_LM = True  # evaluates the shared LM of memzoo.bench.lm
 
 
 def work(ctx: Context, layer: str) -> int:
-    """Units of work for the progress bar: the (corpus, mode) cells of one layer."""
-    return len(ctx.preset.settings(NAME, Settings).corpora) * len(MODES)
+    """Units of work for the progress bar: the (corpus, mode) cells and the probe of one
+    layer's LMs."""
+    from memzoo.bench.lm import models
+
+    s = ctx.preset.settings(NAME, Settings)
+    return len(models(ctx, layer)) * (len(s.corpora) * len(MODES) + (s.passages > 0))
+
+
+def passages(s: Settings, tok) -> list[torch.Tensor]:
+    """The probe's passages: the first `passage_len` + 1 tokens of the first sonnets long enough
+    (held out of every LM's training data, see memzoo.bench.lm)."""
+    from memzoo.data import load_corpus, tokenize_corpus
+
+    docs = [d for d in tokenize_corpus(load_corpus("sonnets"), tok) if d.numel() > s.passage_len]
+    if len(docs) < s.passages:
+        raise ValueError(f"ppl.passages={s.passages}: only {len(docs)} sonnets hold {s.passage_len + 1} tokens")
+    return [d[: s.passage_len + 1] for d in docs[: s.passages]]
 
 
 def run(ctx: Context, layers: list[str]) -> list[dict]:
-    from memzoo.bench.lm import shared_lm
+    from memzoo.bench.lm import models, shared_lm
     from memzoo.data import get_tokenizer, load_corpus, split_documents, tokenize_corpus
 
     s = ctx.preset.settings(NAME, Settings)
     rows = []
-    for layer in layers:
+    for layer in [m for name in layers for m in models(ctx, name)]:
         model, info = shared_lm(ctx, layer)
         tc = info["config"]["train"]
         tok = get_tokenizer(tc["tokenizer"])
+        config = {"lm": info["config"], "ppl": asdict(s)}
+        lm = dict(lm_train_loss=info["train_loss"], lm_val_loss=info["val_loss"], lm_steps=info["steps"],
+                  lm_tokens=info.get("tokens"), lm_train_wall_s=info["train_wall_s"], params=info["params"])
         for corpus in s.corpora:
             ds = load_corpus(corpus)
             if corpus == tc["corpus"]:  # held-out documents of the training corpus
                 ds = split_documents(ds, seed=tc["seed"])["validation"]
             docs = tokenize_corpus(ds, tok)
+            found = {}
             for mode in MODES:
                 t0, doing = time.time(), f"ppl {layer} {corpus} {mode}"
                 ctx.advance(0, doing)
                 m = eval_corpus(model, docs, s, mode, ctx.device)
                 if tok.name == "byte":
                     m["bits_per_byte"] = m["loss"] / math.log(2)
-                m.update(lm_train_loss=info["train_loss"], lm_val_loss=info["val_loss"], lm_steps=info["steps"],
-                         lm_train_wall_s=info["train_wall_s"], params=info["params"])
-                config = {"lm": info["config"], "ppl": asdict(s)}
-                rows.append(ctx.record(NAME, layer, {"corpus": corpus, "mode": mode}, m, config, time.time() - t0))
+                found[mode] = (m, time.time() - t0)
                 ctx.advance(1, doing)
+            (carry, wc), (reset, wr) = found["carry"], found["reset"]
+            carry["gain"], carry["gain_half"] = mean_ci([r - c for r, c in zip(reset.pop("seq_loss"), carry.pop("seq_loss"))])
+            for mode, (m, wall) in found.items():
+                rows.append(ctx.record(NAME, layer, {"corpus": corpus, "mode": mode}, {**m, **lm}, config, wall))
+        if s.passages:
+            t0, doing = time.time(), f"ppl {layer} repeated passages"
+            ctx.advance(0, doing)
+            m = repeat_probe(model, passages(s, tok), layer == POSITIVE, ctx.device)
+            rows.append(ctx.record(NAME, layer, {"corpus": "repeat", "mode": "carry"}, {**m, **lm}, config, time.time() - t0))
+            ctx.advance(1, doing)
     return rows
 
 
 # ---- leaderboard ------------------------------------------------------------------------------
 
 
+def _gain(m: float, half: float) -> str:
+    return "" if math.isnan(m) else f"{m:+.4f} ± {half:.4f}"
+
+
 def tables(df) -> dict:
+    """Loss carried / reset and the gain (± its 95% interval) per corpus; perplexity; the
+    repeated-passage probe; the carried loss by position in the document; the LMs."""
     import pandas as pd
 
+    probe = df[df["setting.corpus"] == "repeat"]
+    df = df[df["setting.corpus"] != "repeat"]
     t = df.pivot_table(index="layer", columns=["setting.corpus", "setting.mode"], values="metrics.loss", aggfunc="first")
     t = t.reindex(layer_order(t.index))
+    carry = df[df["setting.mode"] == "carry"].set_index(["layer", "setting.corpus"])
     out = pd.DataFrame(index=t.index)
     for corpus in sorted(df["setting.corpus"].unique()):
         out[f"{corpus} carry"] = t[(corpus, "carry")].round(4)
         out[f"{corpus} reset"] = t[(corpus, "reset")].round(4)
-        out[f"{corpus} gain"] = (t[(corpus, "reset")] - t[(corpus, "carry")]).round(4)
+        if "metrics.gain_half" in carry:
+            out[f"{corpus} gain"] = [_gain(*carry.loc[(layer, corpus), ["metrics.gain", "metrics.gain_half"]])
+                                     if (layer, corpus) in carry.index else "" for layer in t.index]
+        else:  # rows from before the interval was recorded
+            out[f"{corpus} gain"] = (t[(corpus, "reset")] - t[(corpus, "carry")]).round(4)
     out.index.name = "layer"
     ppl = out[[c for c in out.columns if not c.endswith("gain")]].map(lambda v: round(math.exp(v), 3))
+    res = {"Loss (nats/token; gain = reset - carry ± 95% interval over sequences: what carried fast weights are worth)": out,
+           "Perplexity": ppl}
+    if not probe.empty:
+        p = probe.set_index("layer").reindex(layer_order(probe["layer"]))
+        res["Repeated-passage probe (nats/token; gain = first reading - second, ± 95% interval over passages)"] = pd.DataFrame({
+            "passages": p["metrics.n_passages"].astype(int),
+            "first reading": p["metrics.first_loss"].round(4),
+            "second reading": p["metrics.second_loss"].round(4),
+            "gain": [_gain(m, h) for m, h in zip(p["metrics.gain"], p["metrics.gain_half"])],
+        })
+    pos = sorted((c for c in carry.columns if c.startswith("metrics.by_position.")),
+                 key=lambda c: POSITIONS.index(_edge(c)))
+    if pos:
+        by = carry.reset_index()
+        by = by.assign(row=by["layer"] + " " + by["setting.corpus"]).set_index("row")[pos]
+        by.columns = [c[len("metrics.by_position."):] for c in pos]
+        res["Carried loss by position in the document (tokens; nats/token)"] = by.reindex(
+            [f"{layer} {c}" for layer in layer_order(carry.index.get_level_values(0)) for c in sorted(df["setting.corpus"].unique())
+             if f"{layer} {c}" in by.index]).round(4).rename_axis("layer, corpus")
     first = df.sort_values("layer").groupby("layer").first()
     lm = pd.DataFrame(
         {
             "params (M)": (first["metrics.params"] / 1e6).round(3),
             "LM steps": first["metrics.lm_steps"].astype(int),
+            **({"LM tokens (M)": (first["metrics.lm_tokens"] / 1e6).round(2)} if "metrics.lm_tokens" in first else {}),
             "LM val loss": first["metrics.lm_val_loss"].round(4),
             "LM train s": first["metrics.lm_train_wall_s"].round(1),
         }
     ).reindex(layer_order(first.index))
-    return {
-        "Loss (nats/token; gain = reset - carry: what carried fast weights are worth)": out,
-        "Perplexity": ppl,
-        "The shared LMs (trained once per layer for ppl and niah)": lm,
-    }
+    res["The shared LMs (trained once per layer for ppl and niah)"] = lm
+    return res
+
+
+def _edge(col: str) -> int:
+    """The lower edge (tokens) of a by_position column's bucket."""
+    lo = col[len("metrics.by_position."):].split("-")[0].rstrip("+")
+    return int(lo[:-1]) * 1024 if lo.endswith("K") else int(lo)
 
 
 def figures(df, out_dir: Path) -> list[Path]:
@@ -160,6 +293,7 @@ def figures(df, out_dir: Path) -> list[Path]:
     import seaborn as sns
 
     paths = []
+    df = df[df["setting.corpus"] != "repeat"]  # the probe is a table
     g = df[(df["setting.mode"] == "carry")]
     cols = [c for c in g.columns if c.startswith("metrics.gate_hist.")]
     recs = []

@@ -257,6 +257,13 @@ class NeedleMix:
     needle, which end the window. ``x, y`` are the window and the window shifted by one, as in plain LM
     training (every position is a target, the answer digits included). Batch `step` is a pure
     function of (seed, step, batch_size), like LMStream's, so resumed runs see the same data.
+
+    `answer_weight` (w != 1): the batches are ``x, (y, weights)``, where a target that is an
+    answer token weighs w and every other target 1 (:func:`memzoo.train.lm_loss` takes the
+    weighted mean). The answer digits are 2-5% of a needle window, and with the plain loss
+    they give no signal until a copy circuit exists: a tiny full-attention LM stayed at chance
+    for as long as we trained it, and learnt to copy within 750 steps with w = 20
+    (:mod:`memzoo.bench.experiments.niah_control`).
     """
 
     def __init__(
@@ -268,13 +275,16 @@ class NeedleMix:
         mix: float = 0.3,
         seed: int = 0,
         max_needles: int = 5,
+        answer_weight: float = 1.0,
     ):
         if not 0.0 <= mix <= 1.0:
             raise ValueError(f"mix must be in [0, 1], got {mix}")
         if max_needles < 1:
             raise ValueError(f"max_needles must be >= 1, got {max_needles}")
+        if not answer_weight > 0:
+            raise ValueError(f"answer_weight must be > 0, got {answer_weight}")
         self.stream, self.seq_len, self.mix, self.seed = stream, int(seq_len), float(mix), int(seed)
-        self.max_needles = max_needles
+        self.max_needles, self.answer_weight = max_needles, float(answer_weight)
         self.source = TextSource(train_texts, tokenizer)
         # the smallest window: one needle, its question and answer
         rng = _rng("memzoo-needlemix-check", seed)
@@ -289,32 +299,42 @@ class NeedleMix:
             raise AttributeError(name)
         return getattr(self.stream, name)
 
-    def window(self, rng: random.Random) -> torch.Tensor:
+    def window(self, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
         """One needle window: ``seq_len + 1`` ids: a short haystack with n needles, then a
         question and answer for each needle in random order (n recalls per window, not one:
-        the recall signal a minutes-trained model gets is n times denser)."""
+        the recall signal a minutes-trained model gets is n times denser); and the mask of
+        its answer tokens."""
         tok, n = self.source.tok, rng.randint(1, self.max_needles)
         while True:
             keys, values = _keys_values(rng, n)
             asked = rng.sample(range(n), n)
-            qa = [torch.cat(_question(tok, keys[i], values[i])) for i in asked]
-            L = self.seq_len + 1 - sum(int(x.numel()) for x in qa)
+            qa = [_question(tok, keys[i], values[i]) for i in asked]
+            L = self.seq_len + 1 - sum(int(q.numel() + a.numel()) for q, a in qa)
             try:
                 hay, _, _ = _assemble(self.source, rng, keys, values, asked[-1], L, None)
-                return torch.cat([hay, *qa])
             except ValueError:  # too many needles for this window: one fewer
                 if n == 1:
                     raise
                 n -= 1
+                continue
+            ids, answer = [hay], [torch.zeros(hay.numel(), dtype=torch.bool)]
+            for q, a in qa:
+                ids += [q, a]
+                answer += [torch.zeros(q.numel(), dtype=torch.bool), torch.ones(a.numel(), dtype=torch.bool)]
+            return torch.cat(ids), torch.cat(answer)
 
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, batch_size: int):
         x, y = self.stream.batch(step, batch_size)
+        weighted = self.answer_weight != 1.0
         if self.mix == 0.0:
-            return x, y
+            return (x, (y, torch.ones(y.shape))) if weighted else (x, y)
         x, y = x.clone(), y.clone()
+        answer = torch.zeros(y.shape, dtype=torch.bool)
         rng = _rng("memzoo-needlemix", self.seed, step, batch_size)
         for r in range(batch_size):
             if rng.random() < self.mix:
-                w = self.window(rng)
-                x[r], y[r] = w[:-1], w[1:]
-        return x, y
+                w, a = self.window(rng)
+                x[r], y[r], answer[r] = w[:-1], w[1:], a[1:]
+        if not weighted:
+            return x, y
+        return x, (y, 1.0 + (self.answer_weight - 1.0) * answer.float())
