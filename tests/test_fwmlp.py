@@ -42,12 +42,15 @@ def manual_pairs(layer, x):
     return q[:, :-1], v[:, 1:], g[:, :-1]
 
 
-def manual_step(theta, q, tgt, lr=0.1, w=None):
-    """One SGD step on mean over samples and features of (f(q) - tgt)², autograd on a copy."""
+def manual_step(theta, q, tgt, lr=0.1, w=None, clip=None):
+    """One SGD step on mean over samples and features of (f(q) - tgt)², autograd on a copy;
+    `clip`: each gradient entry clamped to [-clip, clip] first."""
     p = {k: t.detach().clone().requires_grad_() for k, t in theta.items()}
     err = (manual_swiglu(q, p) - tgt).pow(2)  # [B, N, D]
     loss = err.mean() if w is None else (err.mean(-1) * w).mean()
     grads = torch.autograd.grad(loss, list(p.values()))
+    if clip is not None:
+        grads = [torch.minimum(torch.maximum(g, torch.full_like(g, -clip)), torch.full_like(g, clip)) for g in grads]
     return {k: (p[k] - lr * g).detach() for k, g in zip(p, grads)}
 
 
@@ -72,6 +75,24 @@ def test_write_is_one_manual_sgd_step(gate_weighted):
     qr, vr, gr = manual_project(layer, xr)
     o = gr[..., None] * manual_swiglu(qr, expect) + (1 - gr[..., None]) * vr  # Eq. 33
     torch.testing.assert_close(layer.read(xr), layer.io.o_proj(layer.io.o_norm(o)), **F64)  # Eq. 34
+
+
+def test_grad_clip_clamps_each_gradient_entry():
+    """grad_clip=True (the release's FastWeightMLP default): every entry of the fast weights'
+    gradient is clamped to [-1, 1] before the step. Queries scaled up 30x make entries > 1, so
+    the clamp changes the step (and bounds it: no weight moves by more than lr)."""
+    layer = make(grad_clip=True)
+    with torch.no_grad():
+        layer.io.q_proj.weight.mul_(30.0)
+    x = rand_x(3, layer.chunk_size)
+    theta0 = {k: v.clone() for k, v in layer.state.items()}
+    q, tgt, _ = manual_pairs(layer, x)
+    clipped, plain = manual_step(theta0, q, tgt, clip=1.0), manual_step(theta0, q, tgt)
+    assert any((plain[k] - theta0[k]).abs().max() > 0.1 + 1e-9 for k in FAST_KEYS)  # entries beyond 1 exist
+    layer.write(x)
+    for k in FAST_KEYS:
+        torch.testing.assert_close(layer.state[k], clipped[k], **F64)
+        assert (layer.state[k] - theta0[k]).abs().max() <= 0.1 + 1e-12
 
 
 def test_write_steps_chunk_by_chunk_and_under_no_grad():

@@ -82,6 +82,18 @@ by hundreds of steps with tiny numeric changes); in other single-seed runs it wa
 GDN (tiny preset) or below it when capped. That is what the seeds and intervals of the tables
 are for. The standard preset publishes both forms (``fwpkm`` per sequence, ``fwpkm/shared``).
 
+Why FwMLP diverges, and ``fwmlp/clip``. FwMLP's write is one plain SGD step (η = 0.1) on the
+memorisation MSE, stable only while η·λ < 2 for the loss's largest curvature λ in the fast weights;
+h = silu(W_gate q) ⊙ W_up q is quadratic in q, so λ grows as ‖q‖⁴ (the layer's docstring,
+"Stability"). Nothing bounds ‖q‖: on MQAR (per-sequence memory, chunk 8, slow lr 3e-3, seed 0)
+the mean query norm grew from 4.6 to 10.4 in 177 steps and at step 177 a write's gradient was
+non-finite, in fp32 eager and in bf16 alike, at the same step (the trajectory, not the
+precision); all six standard cells stopped as *diverged* within 161-462 steps. The paper's
+FwMLP (and the released run's config, ``fwpkm_grad_clip: false``) has no clipping; the release's
+``FastWeightMLP`` class clips each gradient entry to [-1, 1] by default. The standard preset
+publishes both: ``fwmlp`` as the paper gives it, and the variant ``fwmlp/clip``
+(``grad_clip: true``), which trained past that point (MQAR loss below chance by step 400).
+
 Update chunks. A chunk-level layer (FwPKM, FwMLP, LaCT, FWL) reads its memory before it writes
 the chunk, so with the preset's chunks (32-256 tokens) a toy sequence would be a single chunk and
 no pair of it could ever be recalled from the memory. The presets give them chunks of a few pairs

@@ -28,7 +28,8 @@ a chunk of C tokens writes C - 1 pairs; ``lookahead_target="mean"`` takes the re
 and feature dimensions, and we do not apply the loss aggregation and gradient shaping
 techniques [summed reduction, 1/N^read, Sec. 3.2.2] ... addressing optimization in
 Section 3.3 is irrelevant too" (App. A). There is no ½ factor and no gradient clipping
-(the release's FwMLP run passes ``fwpkm_grad_clip: false``). The release does not weight
+(the release's FwMLP run passes ``fwpkm_grad_clip: false``; ``grad_clip=True`` is the release
+class's own default, each entry of the fast weights' gradient clamped to [-1, 1], see "Stability"). The release does not weight
 the FwMLP loss by the gates (its "mlp" branch calls the memory without ``gates``); the
 option ``gate_weighted_loss=True`` uses L = mean_t(g_t · mean_d (f(q_t) - v_{t+1})_d²),
 FwPKM's Eq. 35 weighting with App. A's reduction.
@@ -72,6 +73,16 @@ the tiny test sizes and ~0.015% at paper size (512 → 2304 → 512, 8 × 512 to
 writes need larger queries, which only ``grad_through_update=True`` gives the slow weights a
 reason to learn; with the default local update recall after one write stays near chance in
 the shared suite's short memorization task (see ``stats()``: ``mem_mse/before|after``).
+
+Stability. The write is one step of plain SGD, stable while η·λ < 2 for the largest curvature λ
+of the memorisation loss in the fast weights. h = silu(W_gate q) ⊙ W_up q is quadratic in q, so
+λ grows as ‖q‖⁴ (for W_down: λ ≈ 2‖h‖²/D_v when a chunk's pairs are alike): at the release's
+initial fast weights and η = 0.1 the step is stable for ‖q‖² ≈ D_in and overshoots once the slow
+weights have roughly doubled ‖q‖ (e.g. ‖q‖ = 10 at D_in = 64, D_h = 288 gives η·λ ≈ 1). Nothing
+in the paper's recipe bounds ‖q‖. Measured on the standard toys (MQAR, per-sequence memory,
+chunk 8, slow lr 3e-3): the mean ‖q‖ grew from 4.6 to 10.4 in 177 steps, and at step 177 a
+write's gradient was non-finite (fp32 and bf16 alike, at the same step: the trajectory, not the
+precision). ``grad_clip=True`` bounds every step.
 
 Initial fast weights follow the release's ``FastWeightMLP.reset_parameters``: W_up, W_gate ~
 N(0, 1/D_in), W_down ~ N(0, 1/D_hidden), biases 0. They are drawn inside ``init_state`` from a
@@ -164,6 +175,7 @@ class FwMLP(MemoryLayer):
         value_norm: bool = True,
         gate_weighted_loss: bool = False,
         per_sequence: bool = False,
+        grad_clip: bool = False,
         variant: str = "paper",
         lookahead_target: str | None = None,
         grad_through_update: bool | None = None,
@@ -200,6 +212,7 @@ class FwMLP(MemoryLayer):
         self.lookahead_target = lookahead_target
         self.gate_weighted_loss = bool(gate_weighted_loss)
         self.per_sequence = bool(per_sequence)
+        self.grad_clip = bool(grad_clip)
         self.grad_through_update = bool(grad_through_update)
         self.site = "before_mixer" if before_mixer else "after_mixer"
 
@@ -307,6 +320,8 @@ class FwMLP(MemoryLayer):
             else:
                 loss = err.sum() / keep.sum().clamp(min=1)
             grads = torch.autograd.grad(loss, [theta[k] for k in FAST_KEYS], create_graph=differentiable)
+        if self.grad_clip:  # the release's FastWeightMLP: each gradient entry clamped to [-1, 1]
+            grads = [g.clamp(-1.0, 1.0) for g in grads]
         new = {}
         for k, gr in zip(FAST_KEYS, grads):
             p = state[k] if differentiable else state[k].detach()
@@ -359,5 +374,6 @@ class FwMLP(MemoryLayer):
             f"{super().extra_repr()}, fast={self.input_dim}->{self.intermediate_dim}->{self.output_dim}, "
             f"lr={self.lr}, lookahead={self.lookahead}, lookahead_target={self.lookahead_target!r}, "
             f"gating={self.gating}, value_norm={self.value_norm}, "
-            f"gate_weighted_loss={self.gate_weighted_loss}, grad_through_update={self.grad_through_update}"
+            f"gate_weighted_loss={self.gate_weighted_loss}, grad_through_update={self.grad_through_update}, "
+            f"grad_clip={self.grad_clip}"
         )
