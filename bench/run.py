@@ -226,14 +226,17 @@ def run_bench(
         rec.rows = [r for r in read_results(rec.path) if r["run_id"] == rec.run_id]
     bar.close()
     print(f"\nmemzoo bench: {len(rec.rows)} rows in {time.time() - t0:.0f} s -> {rec.path}\n")
-    print_tables(rec.rows)
+    print_tables(_with_recorded(rec, names, todo) if resume else rec.rows)
     return rec.rows
 
 
-def print_tables(rows: list[dict]) -> None:
-    from memzoo.bench.leaderboard import markdown, suite_tables
+def _with_recorded(rec: Recorder, names: list[str], suites: list[str]) -> list[dict]:
+    """The rows of a resumed run's preset, suites and layers (variants such as fwpkm/shared, and
+    the controls with the baseline), recorded earlier or now: the comparison the run completes,
+    not only its last cells (the tables keep the latest row per setting and seed)."""
+    from memzoo.bench.common import CONTROLS, read_results
 
-    for name, preset, title, table in suite_tables(rows):
-        print(f"### {name} ({preset}): {title}\n")
-        print(markdown(table))
-        print()
+    def ours(layer: str) -> bool:
+        return layer.split("/")[0] in names or (layer in CONTROLS and BASELINE in names)
+
+    return [r for r in read_results(rec.path) if r["preset"] == rec.preset and r["suite"] in suites and ours(r["layer"])]

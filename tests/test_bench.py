@@ -78,6 +78,24 @@ def test_recorder_appends_rows_with_provenance(tmp_path):
     assert rows[0]["config_hash"] != rows[1]["config_hash"]
 
 
+def test_a_resumed_run_prints_the_whole_comparison(tmp_path):
+    """A resumed run's tables cover what earlier runs recorded for its preset, suites and layers
+    (variants, and the controls with the baseline), not only the cells it measured itself."""
+    from memzoo.bench.run import _with_recorded
+
+    old = Recorder(tmp_path, "standard", 0, run_id="old")
+    for suite, layer in [("toys", BASELINE), ("toys", "ctrl:attention"), ("toys", "fwpkm/shared"), ("toys", "mom"),
+                         ("ppl", "fwpkm")]:
+        old.add(suite, layer, {"task": "mqar"}, {"accuracy": 0.5}, {"m": layer}, 0.1)
+    Recorder(tmp_path, "tiny", 0, run_id="other").add("toys", "fwpkm", {"task": "mqar"}, {"accuracy": 0.1}, {}, 0.1)
+    new = Recorder(tmp_path, "standard", 0, run_id="new")
+    new.add("toys", "fwpkm", {"task": "mqar"}, {"accuracy": 0.9}, {}, 0.1)
+    shown = _with_recorded(new, [BASELINE, "fwpkm"], ["toys"])
+    assert sorted((r["layer"], r["run_id"]) for r in shown) == [
+        (BASELINE, "old"), ("ctrl:attention", "old"), ("fwpkm", "new"), ("fwpkm/shared", "old")]
+    assert [r["layer"] for r in _with_recorded(new, ["fwpkm"], ["toys"])] == ["fwpkm/shared", "fwpkm"]
+
+
 def test_ppl_protocol(micro, tmp_path):
     """The baseline has no memory: carried and reset evaluation agree exactly. FwPKM's carried
     memory changes the loss, and evaluation leaves the trained memory as it was."""
