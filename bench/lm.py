@@ -1,4 +1,5 @@
-"""The language model the ppl and niah suites share: one per (preset, layer, seed).
+"""The language models of the ppl and niah suites: one per (preset, layer, seed), shared by the
+two suites unless the niah suite trains its own (`niah.lm`).
 
 Every layer's LM is the preset's backbone with that layer plugged in, trained with the
 preset's `lm:` settings on the same batches: the training split of the corpus, without
@@ -10,6 +11,11 @@ never meets the question format in plain text, and with the plain loss it does n
 copy the answer, so without them the NIAH numbers would measure nothing. The paper preset
 trains on plain text (train_mix 0). With the baseline come the controls' LMs (`models`: full
 attention with a short convolution, and no token mixer) where `niah.controls` is on.
+
+`niah.lm` (the standard preset): the niah suite's LMs are trained apart, with the preset's
+`train:` section changed by it (shorter windows, more steps) and the needle mixture, and the
+ppl suite's LMs read plain text: at this scale an LM that must both model text and learn to
+copy needles learnt neither well enough (bench/suites/niah.py, "The positive control").
 
 A trained LM is cached under ``<work_dir>/lm/<layer>-<hash>/`` (the hash covers the model,
 the training settings, the mixture and the seed), so the suites of one run, and later runs
@@ -35,11 +41,18 @@ HELD_OUT_TITLES = ("Sonnets",)  # the ppl suite's short-document corpus comes fr
 _loaded: dict[str, tuple[HybridLM, dict]] = {}
 
 
-def _mixture(ctx: Context) -> dict:
-    """The needle mixture of the LMs' training data (the niah suite's settings)."""
+def _niah(ctx: Context):
     from memzoo.bench.suites import niah
 
-    s = ctx.preset.settings(niah.NAME, niah.Settings)
+    return ctx.preset.settings(niah.NAME, niah.Settings)
+
+
+def _mixture(ctx: Context, suite: str) -> dict:
+    """The needle mixture of `suite`'s LMs: the niah suite's settings, for the LMs the suites
+    share, or only for niah's own where it has them (`niah.lm`; ppl's LMs then read plain text)."""
+    s = _niah(ctx)
+    if s.lm and suite != "niah":
+        return {"train_mix": 0.0}
     return {"train_mix": s.train_mix, **({"answer_weight": s.answer_weight} if s.answer_weight != 1 else {})}
 
 
@@ -47,40 +60,42 @@ def models(ctx: Context, layer: str) -> list[str]:
     """The LMs the ppl and niah suites evaluate for `layer`: the layer's, and with the baseline
     the controls' where the niah suite's `controls` is on."""
     from memzoo.bench.common import BASELINE, CONTROLS
-    from memzoo.bench.suites import niah
 
-    controls = layer == BASELINE and ctx.preset.settings(niah.NAME, niah.Settings).controls
+    controls = layer == BASELINE and _niah(ctx).controls
     return [layer, *(CONTROLS if controls else ())]
 
 
-def lm_config(ctx: Context, layer: str) -> tuple[RunConfig, dict, str]:
-    """The run config of `layer`'s LM, its needle mixture, and the cache key."""
-    mix = _mixture(ctx)
-    tc = lm_train_config(ctx.preset, seed=ctx.seed, device=ctx.device)
+def lm_config(ctx: Context, layer: str, suite: str = "ppl") -> tuple[RunConfig, dict, str]:
+    """The run config of `layer`'s LM for `suite`, its needle mixture, and the cache key."""
+    mix = _mixture(ctx, suite)
+    own = _niah(ctx).lm if suite == "niah" else {}
+    tc = lm_train_config(ctx.preset, seed=ctx.seed, device=ctx.device, **own)
     rc = RunConfig(model_config(ctx.preset, layer), tc)
     key = config_hash({**rc.to_dict(), **mix, "held_out": HELD_OUT_TITLES, "version": 1})
     rc.train.out_dir = str(Path(ctx.work_dir) / "lm" / f"{layer}-{key}")
     return rc, mix, key
 
 
-def untrained_steps(ctx: Context, layer: str) -> int:
-    """The training steps `shared_lm` will run for `layer`'s LMs (see `models`): none for one
-    that is cached."""
-    steps = 0
-    for name in models(ctx, layer):
-        rc, _, _ = lm_config(ctx, name)
-        done = str(rc.train.out_dir) in _loaded or (Path(rc.train.out_dir) / "lm.json").exists()
-        steps += 0 if done else rc.train.steps
-    return steps
+def untrained_steps(ctx: Context, layer: str, suites: list[str]) -> int:
+    """The training steps `shared_lm` will run for `layer`'s LMs (see `models`) in `suites`:
+    none for one that is cached, and each LM once."""
+    steps = {}
+    for suite in suites:
+        for name in models(ctx, layer):
+            rc, _, _ = lm_config(ctx, name, suite)
+            done = str(rc.train.out_dir) in _loaded or (Path(rc.train.out_dir) / "lm.json").exists()
+            steps[str(rc.train.out_dir)] = 0 if done else rc.train.steps
+    return sum(steps.values())
 
 
-def shared_lm(ctx: Context, layer: str) -> tuple[HybridLM, dict]:
-    """`layer`'s trained LM (eval mode) and what its training did (losses, steps, wall time).
+def shared_lm(ctx: Context, layer: str, suite: str = "ppl") -> tuple[HybridLM, dict]:
+    """`layer`'s trained LM for `suite` (eval mode) and what its training did (losses, steps,
+    wall time); the ppl and niah suites share one unless the niah suite has its own (`niah.lm`).
     Persistent fast weights (FwPKM's) are those at the end of training; callers that change
     them restore a snapshot."""
     from memzoo.train import prepare_data, train
 
-    rc, mix, _ = lm_config(ctx, layer)
+    rc, mix, _ = lm_config(ctx, layer, suite)
     out = Path(rc.train.out_dir)
     if str(out) in _loaded:
         return _loaded[str(out)]

@@ -75,8 +75,8 @@ def work_units(ctx: Context, layers: list[str], todo: list[str]) -> int:
     from memzoo.bench.lm import untrained_steps
 
     mods = [suite(s) for s in todo]
-    lm = any(getattr(m, "USES_LM", False) for m in mods)
-    return sum(sum(m.work(ctx, layer) for m in mods) + (untrained_steps(ctx, layer) if lm else 0) for layer in layers)
+    lm = [m.NAME for m in mods if getattr(m, "USES_LM", False)]
+    return sum(sum(m.work(ctx, layer) for m in mods) + untrained_steps(ctx, layer, lm) for layer in layers)
 
 
 def _work(ctx: Context, layers: list[str], todo: list[str]) -> None:
@@ -240,3 +240,12 @@ def _with_recorded(rec: Recorder, names: list[str], suites: list[str]) -> list[d
         return layer.split("/")[0] in names or (layer in CONTROLS and BASELINE in names)
 
     return [r for r in read_results(rec.path) if r["preset"] == rec.preset and r["suite"] in suites and ours(r["layer"])]
+
+
+def print_tables(rows: list[dict]) -> None:
+    from memzoo.bench.leaderboard import markdown, suite_tables
+
+    for name, preset, title, table in suite_tables(rows):
+        print(f"### {name} ({preset}): {title}\n")
+        print(markdown(table))
+        print()

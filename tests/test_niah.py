@@ -186,6 +186,27 @@ def test_settings_reject_unknown_keys_and_bad_values():
     with pytest.raises(ConfigError, match="iters"):
         suite.Settings(iters=[0])
     assert load_preset("paper").settings(suite.NAME, suite.Settings).train_mix == 0.0
+    with pytest.raises(ConfigError, match="niah.lm: .*seq_lenn"):
+        suite.Settings(lm={"seq_lenn": 128})
+
+
+def test_niah_lms_of_its_own(tmp_path):
+    """With `niah.lm` the niah suite's LMs are trained apart (the train: section changed by it,
+    the needle mixture) and ppl's read plain text; without it the two suites share one LM."""
+    from memzoo.bench.common import Context, Recorder
+    from memzoo.bench.lm import lm_config, untrained_steps
+
+    p = load_preset("tiny")
+    ctx = Context(p, 0, Recorder(tmp_path, p.name, 0), tmp_path, "cpu", False)
+    (ppl_rc, ppl_mix, k1), (niah_rc, niah_mix, k2) = (lm_config(ctx, "fwpkm", s) for s in ("ppl", "niah"))
+    assert k1 == k2 and ppl_mix == niah_mix == {"train_mix": 0.3}
+    assert untrained_steps(ctx, "fwpkm", ["ppl", "niah"]) == p.lm["steps"]  # one LM, trained once
+    p.suites["niah"] = {"lm": {"seq_len": 128, "steps": 7}, "train_mix": 1.0, "answer_weight": 20}
+    (ppl_rc, ppl_mix, k1), (niah_rc, niah_mix, k2) = (lm_config(ctx, "fwpkm", s) for s in ("ppl", "niah"))
+    assert k1 != k2 and ppl_mix == {"train_mix": 0.0} and niah_mix == {"train_mix": 1.0, "answer_weight": 20}
+    assert (ppl_rc.train.seq_len, niah_rc.train.seq_len, niah_rc.train.steps) == (256, 128, 7)
+    assert ppl_rc.train.batch_size == niah_rc.train.batch_size == p.lm["batch_size"]  # the rest is train:'s
+    assert untrained_steps(ctx, "fwpkm", ["ppl", "niah"]) == p.lm["steps"] + 7
 
 
 # ---- tables and figures -------------------------------------------------------------------------

@@ -1,125 +1,136 @@
 """Why the NIAH suite's LMs stay at chance, and what a positive control needs (issue 13, step 1).
 
-A model of the tiny preset's backbone (4 blocks, d=128, byte tokens; ``FA`` = full attention with a
-short convolution on q, k, v, as the toys' positive control) trained on needle windows only:
-128-token windows of the training split of Shakespeare's plays with 2-3 needles
-("Remember qzfa=481273.\\n", memzoo.data.niah) and then, for every needle, the question and its
-answer, as the suite's NeedleMix builds them. Scored on 128 windows of the validation split:
-answer digits right (teacher-forced argmax), windows with every answer exact, and the answer's
-cross-entropy (chance: ln 10 = 2.303 nats per digit). AdamW, lr 3e-3, warmup 50, cosine to 0.1×,
-batch 16, bf16 autocast, seed 0, one thread (AMD EPYC, beside a bench run: ~4 minutes per 1000 steps):
+The learning curve of one LM of the bench (the `standard` preset's recipe by default: the tiny
+preset's backbone, 4 blocks, d=128, byte tokens, AdamW lr 3e-3, batch 16 x 256, bf16 autocast,
+torch.compile), trained on the suite's data (:class:`memzoo.data.niah.NeedleMix`: a fraction
+`train_mix` of the windows are needle samples whose answer tokens weigh `answer_weight`), and
+every `eval_every` steps scored on
 
-    layout  answer weight       steps  digits  windows exact  answer NLL
-    FA      1 (the plain LM)    1500   0.101   0.000          2.292
-    FA      20                  750    0.778   0.039          0.625
-    FA      20                  2000   0.998   0.977          0.011
-    GDN     20                  2000   0.096   0.000          2.286
+- training-format windows from the validation split: answer digits right (teacher-forced
+  argmax), windows with every answer exact, and the answers' cross-entropy (chance: ln 10 =
+  2.303 nats per digit);
+- the suite's NIAH samples (5 needles) at haystack lengths inside the training length: exact
+  match, as the suite scores it.
 
-The answer digits are targets like every token, so they are trained, but they are 2-5% of a
-window's tokens and give no signal until a copy circuit exists: with the plain LM loss attention
-stayed at chance as long as we trained it (the calibration in the issue saw the same after 1500
-steps of 512-token windows), while weighting the answer tokens 20× in the loss formed the circuit
-within 750 steps. That is the first change the suite's positive control needs. The 4-layer GDN
-(the bench's baseline backbone) did not leave chance in 2000 steps of the same recipe: recall
-through a recurrent state is learnt later, if at all, at this budget; what it takes is open.
+Findings (AMD EPYC, one thread; ``ctrl:attention`` is full attention with a short convolution on
+q, k, v, the toys' positive control):
 
-    python -m memzoo.bench.experiments.niah_control FA 20          # layout, answer weight
-    python -m memzoo.bench.experiments.niah_control GDN 20 2000    # ..., steps
+1. With the plain LM loss the answer digits are targets like every token, so they are trained,
+   but they are 2-5% of a needle window and give no signal until a copy circuit exists. An
+   earlier version of this experiment (needle windows only, 128 tokens, 2-3 needles; commit
+   2c34572) measured: attention with answer weight 1 at 1500 steps, digits 0.101, windows exact
+   0.000, answer NLL 2.292; with weight 20 at 750 steps 0.778 / 0.039 / 0.625 and at 2000 steps
+   0.998 / 0.977 / 0.011; the 4-layer GDN with weight 20 at 2000 steps 0.096 / 0.000 / 2.286.
+2. Weighting alone does not carry over to the suite's LM (the table below, from this script).
+
+    python -m memzoo.bench.experiments.niah_control                       # ctrl:attention, standard recipe
+    python -m memzoo.bench.experiments.niah_control --steps 3000 --train-mix 1.0
 """
 
 from __future__ import annotations
 
+import argparse
 import random
-import sys
 import time
-from types import SimpleNamespace
 
 import torch
 
-SEQ_LEN, BATCH, LR, EVAL_WINDOWS = 128, 16, 3e-3, 128
 
-
-def window(source, rng: random.Random, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """seq_len + 1 ids: a haystack with 2-3 needles, then a question and answer per needle in
-    random order; and the mask of the answer tokens."""
-    from memzoo.data.niah import _assemble, _keys_values, _question
-
-    n = rng.randint(2, 3)
-    while True:
-        keys, values = _keys_values(rng, n)
-        asked = rng.sample(range(n), n)
-        qa = [_question(source.tok, keys[i], values[i]) for i in asked]
-        room = seq_len + 1 - sum(int(q.numel() + a.numel()) for q, a in qa)
-        try:
-            hay, _, _ = _assemble(source, rng, keys, values, asked[-1], room, None)
-        except ValueError:  # too many needles for the window: one fewer
-            n -= 1
-            continue
-        parts, mask = [hay], [torch.zeros(hay.numel(), dtype=torch.bool)]
-        for q, a in qa:
-            parts += [q, a]
-            mask += [torch.zeros(q.numel(), dtype=torch.bool), torch.ones(a.numel(), dtype=torch.bool)]
-        return torch.cat(parts), torch.cat(mask)
-
-
-def batch(source, seed: int, step: int, n: int, seq_len: int = SEQ_LEN):
-    """Inputs, targets and the targets' answer mask of n windows, a pure function of (seed, step)."""
-    from memzoo.data.niah import _rng
-
-    rng = _rng("probe", seed, step)
-    ws = [window(source, rng, seq_len) for _ in range(n)]
-    w, m = torch.stack([x for x, _ in ws]), torch.stack([m for _, m in ws])
+def probe_windows(mix, n: int, seed: int = 1):
+    """n training-format needle windows (inputs, targets, answer mask) from `mix`'s texts."""
+    rng = random.Random(seed)
+    ws = [mix.window(rng) for _ in range(n)]
+    w, m = torch.stack([x for x, _ in ws]), torch.stack([a for _, a in ws])
     return w[:, :-1], w[:, 1:], m[:, 1:]
 
 
-def run(layout: str, weight: float, steps: int = 2000, eval_every: int = 250) -> list[dict]:
+def score(model, windows) -> dict:
+    x, y, m = windows
+    with torch.no_grad():
+        logits = model(x).logits.float()
+    hit = logits.argmax(-1) == y
+    return {"digits": round(hit[m].float().mean().item(), 3),
+            "windows_exact": round((hit | ~m).all(-1).float().mean().item(), 3),
+            "answer_nll": round(torch.nn.functional.cross_entropy(logits[m], y[m]).item(), 3)}
+
+
+def run(layer: str, preset: str = "standard", eval_every: int = 250, lengths=(192,), samples: int = 24,
+        needles: int = 5, **overrides) -> list[dict]:
+    """Train `layer`'s LM of `preset` (its train: and niah: settings, with `overrides` of
+    steps, seq_len, train_mix, answer_weight, lr), scoring it every `eval_every` steps."""
     from memzoo.backbone.model import HybridLM
-    from memzoo.bench.common import load_preset
-    from memzoo.config import ModelConfig
-    from memzoo.data import get_tokenizer, load_corpus, split_documents
-    from memzoo.data.niah import TextSource
-    from memzoo.train import lr_at, make_step, param_groups
+    from memzoo.bench.common import load_preset, lm_train_config, model_config
+    from memzoo.bench.suites import niah
+    from memzoo.config import RunConfig
+    from memzoo.data import get_tokenizer
+    from memzoo.data.niah import NeedleMix, TextSource
+    from memzoo.train import lr_at, make_step, param_groups, prepare_data, to_device
 
-    tok = get_tokenizer("byte")
-    split = split_documents(load_corpus("shakespeare"), val_fraction=0.1, seed=0)
-    train_src, val_src = (TextSource(list(split[k]["text"]), tok) for k in ("train", "validation"))
-    backbone = load_preset("tiny").backbone
-    mc = ModelConfig.from_dict({**backbone, "layout": layout, "attn_conv": backbone.get("gdn_conv", 4)})
-    torch.manual_seed(0)
-    model = HybridLM(mc).train()
-    tc = SimpleNamespace(lr=LR, min_lr=LR * 0.1, warmup=50, steps=steps, weight_decay=0.1)
-    opt = torch.optim.AdamW(param_groups(model, tc), lr=LR, betas=(0.9, 0.98))
+    p = load_preset(preset)
+    s = p.settings(niah.NAME, niah.Settings)
+    mix = {"train_mix": overrides.pop("train_mix", s.train_mix), "answer_weight": overrides.pop("answer_weight", s.answer_weight)}
+    tc = lm_train_config(p, **overrides)
+    rc = RunConfig(model_config(p, layer), tc)
+    data, _, _ = prepare_data(rc, leave_out=("Sonnets",), needle_mix=mix["train_mix"], answer_weight=mix["answer_weight"])
+    tok = get_tokenizer(tc.tokenizer)
+    val = niah.eval_texts(tc.corpus, tc.seed)
+    windows = probe_windows(NeedleMix(None, val, tok, tc.seq_len, mix=1.0), 64)
+    source = TextSource(val, tok)
+    ns = niah.Settings(lengths=list(lengths), iters=[1], samples=samples, depth_buckets=1, needles=needles)
 
-    def loss_fn(m, x, target):
-        y, answer = target
-        ce = torch.nn.functional.cross_entropy(m(x).logits.flatten(0, 1).float(), y.flatten(), reduction="none")
-        w = 1 + (weight - 1) * answer.flatten().float()  # answer tokens weigh `weight`, the rest 1
-        return (ce * w).sum() / w.sum()
-
-    step = make_step(model, opt, 1.0, "bf16", loss_fn=loss_fn)
-    xv, yv, mv = batch(val_src, 1, 0, EVAL_WINDOWS)
+    torch.manual_seed(tc.seed)
+    model = HybridLM(rc.model).train()
+    opt = torch.optim.AdamW(param_groups(model, tc), lr=tc.lr, betas=tuple(tc.betas))
+    step = make_step(model, opt, tc.grad_clip, tc.precision, compile=tc.compile)
     out, t0 = [], time.time()
-    for s in range(steps):
-        x, y, m = batch(train_src, 0, s, BATCH)
-        loss = step([(x, (y, m))], lr_at(s, tc))
-        if (s + 1) % eval_every == 0 or s + 1 == steps:
+    for i in range(tc.steps):
+        loss = step([to_device(data.batch(i, tc.batch_size), "cpu")], lr_at(i, tc))
+        if (i + 1) % eval_every == 0 or i + 1 == tc.steps:
             model.eval()
-            with torch.no_grad():
-                logits = model(xv).logits.float()
+            rec = {"layer": layer, **mix, "seq_len": tc.seq_len, "step": i + 1, "loss": round(loss, 3), **score(model, windows)}
+            for r in niah.evaluate_niah(model, source, tok, ns):
+                rec[f"niah{r['setting']['length']}"] = round(r["metrics"]["accuracy"], 3)
+            rec["seconds"] = round(time.time() - t0)
             model.train()
-            hit = logits.argmax(-1) == yv
-            rec = {"layout": layout, "answer_weight": weight, "step": s + 1, "loss": round(loss, 3),
-                   "digits": round(hit[mv].float().mean().item(), 3),
-                   "windows_exact": round((hit | ~mv).all(-1).float().mean().item(), 3),
-                   "answer_nll": round(torch.nn.functional.cross_entropy(logits[mv], yv[mv]).item(), 3),
-                   "seconds": round(time.time() - t0)}
             print(rec, flush=True)
             out.append(rec)
     return out
 
 
 if __name__ == "__main__":
+    from memzoo.bench.common import POSITIVE
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layer", default=POSITIVE)
+    ap.add_argument("--preset", default="standard")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--train-mix", type=float)
+    ap.add_argument("--answer-weight", type=float)
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--beta2", type=float)
+    ap.add_argument("--needles", type=int, default=5, help="needles per NIAH eval sample")
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--lengths", default="192")
+    ap.add_argument("--min-needles", type=int, default=1)
+    a = ap.parse_args()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
-    args = sys.argv[1:]
-    run(args[0] if args else "FA", float(args[1]) if len(args) > 1 else 20.0, int(args[2]) if len(args) > 2 else 2000)
+    over = {k: v for k, v in {"steps": a.steps, "seq_len": a.seq_len, "train_mix": a.train_mix,
+                              "answer_weight": a.answer_weight, "lr": a.lr, "batch_size": a.batch_size,
+                              "betas": None if a.beta2 is None else [0.9, a.beta2]}.items() if v is not None}
+    if a.min_needles > 1:  # experiment: denser needle windows
+        import memzoo.data.niah as nm
+        orig = nm.NeedleMix.window
+        def window(self, rng, _k=a.min_needles):
+            r = random.Random(rng.random())
+            class R(random.Random):
+                pass
+            return orig(self, _Dense(rng, _k))
+        class _Dense:
+            def __init__(self, rng, k): self.rng, self.k = rng, k
+            def randint(self, lo, hi): return self.rng.randint(max(lo, self.k), hi)
+            def __getattr__(self, n): return getattr(self.rng, n)
+        nm.NeedleMix.window = window
+    run(a.layer, a.preset, a.eval_every, [int(n) for n in a.lengths.split(",")], needles=a.needles, **over)

@@ -100,6 +100,7 @@ class Settings:
     train_mix: float = 0.3  # fraction of needle windows in the shared LM's training (memzoo.bench.lm)
     answer_weight: float = 1.0  # weight of the needle windows' answer tokens in the LM loss (NeedleMix)
     controls: bool = False  # with the baseline, the controls' LMs: attention + short conv (positive), no mixer (negative)
+    lm: dict = field(default_factory=dict)  # LMs of the suite's own: the preset's train: section with these changes ({}: share ppl's)
     seed: int = 1234  # the eval samples' seed (the same haystacks for every layer)
 
     def __post_init__(self):
@@ -116,6 +117,13 @@ class Settings:
             raise ConfigError(f"niah.train_mix must be in [0, 1], got {self.train_mix}")
         if not self.answer_weight > 0:
             raise ConfigError(f"niah.answer_weight must be > 0, got {self.answer_weight}")
+        if self.lm:
+            from memzoo.config import TrainConfig
+
+            try:
+                TrainConfig.from_dict(dict(self.lm))
+            except ConfigError as e:
+                raise ConfigError(f"niah.lm: {e}") from None
         self.lengths = sorted({int(n) for n in self.lengths})
         self.iters = sorted({int(n) for n in self.iters})
 
@@ -268,7 +276,7 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
     s = ctx.preset.settings(NAME, Settings)
     rows, sources = [], {}
     for layer in [m for name in layers for m in models(ctx, name)]:
-        model, info = shared_lm(ctx, layer)
+        model, info = shared_lm(ctx, layer, NAME)
         tc = info["config"]["train"]
         tok = get_tokenizer(tc["tokenizer"])
         key = (tc["corpus"], tc["tokenizer"], tc["seed"])
@@ -477,7 +485,7 @@ def main(argv=None) -> None:
     kw = {k: [int(v) for v in val.split(",")] for k, val in over.items() if val}
     kw.update({k: v for k, v in (("samples", a.samples), ("piece", a.piece)) if v is not None})
     s = Settings(**{**asdict(s), **kw})
-    tc = lm_train_config(preset, seed=a.seed)
+    tc = lm_train_config(preset, seed=a.seed, **s.lm)
     tok = get_tokenizer(tc.tokenizer)
     source = TextSource(eval_texts(tc.corpus, a.seed), tok)
     names = [BASELINE] if BASELINE in a.layers.split(",") else []
@@ -493,7 +501,7 @@ def main(argv=None) -> None:
             with tqdm(desc=f"lm {layer}", unit="step") as bar:  # trained unless cached
                 ctx = Context(preset, a.seed, Recorder("/dev/null", preset.name, a.seed),
                               Path("runs") / "bench" / preset.name, a.device, True, lambda n, doing: bar.update(n))
-                model, _ = shared_lm(ctx, layer)
+                model, _ = shared_lm(ctx, layer, NAME)
         with tqdm(total=len(s.lengths) * s.samples, desc=f"niah {layer}", unit="sample") as bar:
             rows = evaluate_niah(model, source, tok, s, a.device, lambda length: bar.update(1))
         for r in rows:

@@ -185,7 +185,7 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
     s = ctx.preset.settings(NAME, Settings)
     rows = []
     for layer in [m for name in layers for m in models(ctx, name)]:
-        model, info = shared_lm(ctx, layer)
+        model, info = shared_lm(ctx, layer, NAME)
         tc = info["config"]["train"]
         tok = get_tokenizer(tc["tokenizer"])
         config = {"lm": info["config"], "ppl": asdict(s)}
