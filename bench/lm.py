@@ -17,6 +17,10 @@ attention with a short convolution, and no token mixer) where `niah.controls` is
 ppl suite's LMs read plain text: at this scale an LM that must both model text and learn to
 copy needles learnt neither well enough (bench/suites/niah.py, "The positive control").
 
+`ppl.repeat_mix` (the standard preset): a fraction of the ppl LMs' training windows read a
+passage twice (:class:`memzoo.data.RepeatMix`), so that they learn to copy, which the ppl suite's
+repeated-passage probe needs (bench/suites/ppl.py).
+
 A trained LM is cached under ``<work_dir>/lm/<layer>-<hash>/`` (the hash covers the model,
 the training settings, the mixture and the seed), so the suites of one run, and later runs
 with the same settings, train it once. Its files (model.pt, lm.json) are written atomically,
@@ -48,12 +52,17 @@ def _niah(ctx: Context):
 
 
 def _mixture(ctx: Context, suite: str) -> dict:
-    """The needle mixture of `suite`'s LMs: the niah suite's settings, for the LMs the suites
-    share, or only for niah's own where it has them (`niah.lm`; ppl's LMs then read plain text)."""
+    """The training mixture of `suite`'s LMs: the niah suite's needle windows, for the LMs the
+    suites share, or only for niah's own where it has them (`niah.lm`; ppl's LMs then read
+    plain text); and the ppl suite's repeated passages (`ppl.repeat_mix`) for ppl's LMs."""
+    from memzoo.bench.suites import ppl
+
     s = _niah(ctx)
+    rep = ctx.preset.settings(ppl.NAME, ppl.Settings).repeat_mix
+    rep = {"repeat_mix": rep} if rep and not (s.lm and suite == "niah") else {}
     if s.lm and suite != "niah":
-        return {"train_mix": 0.0}
-    return {"train_mix": s.train_mix, **({"answer_weight": s.answer_weight} if s.answer_weight != 1 else {})}
+        return {"train_mix": 0.0, **rep}
+    return {"train_mix": s.train_mix, **({"answer_weight": s.answer_weight} if s.answer_weight != 1 else {}), **rep}
 
 
 def models(ctx: Context, layer: str) -> list[str]:
@@ -74,6 +83,19 @@ def lm_config(ctx: Context, layer: str, suite: str = "ppl") -> tuple[RunConfig, 
     key = config_hash({**rc.to_dict(), **mix, "held_out": HELD_OUT_TITLES, "version": 1})
     rc.train.out_dir = str(Path(ctx.work_dir) / "lm" / f"{layer}-{key}")
     return rc, mix, key
+
+
+def recorded(ctx: Context, suite: str, layer: str, settings: list[dict], own: dict) -> list[dict] | None:
+    """With `ctx.resume`, the rows `suite` already recorded for `layer`'s LM at every one of
+    `settings` (same config hash and seed: the LM's config, as `shared_lm` records it, plus
+    `own`, the suite's settings), which a resumed run then neither trains nor evaluates again;
+    None where one is missing."""
+    if not ctx.resume:
+        return None
+    rc, mix, _ = lm_config(ctx, layer, suite)
+    config = {"lm": {**rc.to_dict(), **mix}, **own}
+    rows = [ctx.recorded(suite, layer, setting, config) for setting in settings]
+    return rows if all(rows) else None
 
 
 def untrained_steps(ctx: Context, layer: str, suites: list[str]) -> int:
@@ -106,7 +128,8 @@ def shared_lm(ctx: Context, layer: str, suite: str = "ppl") -> tuple[HybridLM, d
         model.load_state_dict(load_tensors(out / "model.pt", map_location=ctx.device))
     else:
         t0 = time.time()
-        data = prepare_data(rc, leave_out=HELD_OUT_TITLES, needle_mix=mix["train_mix"], answer_weight=mix.get("answer_weight", 1.0))
+        data = prepare_data(rc, leave_out=HELD_OUT_TITLES, needle_mix=mix["train_mix"], answer_weight=mix.get("answer_weight", 1.0),
+                            repeat_mix=mix.get("repeat_mix", 0.0))
         doing = lambda r: f"lm {layer} step {r['step']}/{rc.train.steps} loss {r['loss']:.3f}"  # noqa: E731
         result = train(rc, data=data, progress=False, overwrite=True, on_step=lambda r: ctx.advance(1, doing(r)))
         model = result["model"]

@@ -148,8 +148,8 @@ def run_bench(
 ) -> list[dict]:
     """Run the suites and return the recorded rows (also appended to <out>/results.jsonl).
     `jobs`: worker processes (0 = one per CPU core on CPU, 1 on CUDA). `resume`: a measurement
-    already in <out>/results.jsonl with the same config hash and seed is skipped (suites that
-    support it: toys), so a killed run continues where it stopped. Bad arguments (a
+    already in <out>/results.jsonl with the same config hash and seed is skipped (the toys'
+    cells; the ppl and niah suites' LMs, each once all its cells are recorded), so a killed run continues where it stopped. Bad arguments (a
     negative `jobs`, an unavailable device, an unwritable `out` or `work_dir`) fail at once."""
     import multiprocessing as mp
     import os

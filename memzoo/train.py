@@ -114,13 +114,15 @@ def evaluate(model: HybridLM, batches: list) -> float:
     return sum(losses) / len(losses)
 
 
-def prepare_data(rc: RunConfig, leave_out: tuple[str, ...] = (), needle_mix: float = 0.0, answer_weight: float = 1.0):
+def prepare_data(rc: RunConfig, leave_out: tuple[str, ...] = (), needle_mix: float = 0.0, answer_weight: float = 1.0,
+                 repeat_mix: float = 0.0):
     """(training stream, validation batches, unigram entropy of the validation text) of
     `rc.train`'s corpus: its documents split into training and validation by the seed, tokenized.
     `leave_out`: titles of training documents to drop (a corpus kept unseen for evaluation);
-    `needle_mix`: the fraction of training windows replaced by needle samples, whose answer
-    tokens weigh `answer_weight` in the loss (:class:`memzoo.data.niah.NeedleMix`)."""
-    from memzoo.data import LMStream, get_tokenizer, load_corpus, split_documents, tokenize_corpus, unigram_entropy
+    `repeat_mix`: the fraction of training windows that read a passage twice
+    (:class:`memzoo.data.RepeatMix`); `needle_mix`: the fraction replaced by needle samples, whose
+    answer tokens weigh `answer_weight` in the loss (:class:`memzoo.data.niah.NeedleMix`)."""
+    from memzoo.data import LMStream, RepeatMix, get_tokenizer, load_corpus, split_documents, tokenize_corpus, unigram_entropy
 
     tc = rc.train
     tok = get_tokenizer(tc.tokenizer)
@@ -136,6 +138,8 @@ def prepare_data(rc: RunConfig, leave_out: tuple[str, ...] = (), needle_mix: flo
     train_docs = tokenize_corpus(train_ds, tok)
     val_docs = tokenize_corpus(splits["validation"], tok)
     stream = LMStream(train_docs, tc.seq_len, seed=tc.seed)
+    if repeat_mix > 0:
+        stream = RepeatMix(stream, tc.seq_len, repeat_mix, seed=tc.seed)
     if needle_mix > 0:
         from memzoo.data.niah import NeedleMix
 

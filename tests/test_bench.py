@@ -125,6 +125,64 @@ def test_ppl_protocol(micro, tmp_path):
         assert torch.equal(v, before[k])
 
 
+
+def test_ppl_probe_withholds_layer_rows_when_the_positive_control_does_not_copy():
+    """The repeated-passage probe's layer rows are published only beside a positive control
+    whose gain's 95% interval lies wholly above ppl.MIN_PROBE_GAIN."""
+    import pandas as pd
+
+    from memzoo.bench.common import POSITIVE
+    from memzoo.bench.suites import ppl
+
+    def rows(control_gain, half):
+        out = []
+        for layer, gain in ((BASELINE, 0.0), ("fwpkm", 0.05), (POSITIVE, control_gain)):
+            for corpus, mode in (("sonnets", "carry"), ("sonnets", "reset"), ("repeat", "carry")):
+                m = {"loss": 1.5, "params": 1e6, "lm_steps": 10, "lm_tokens": 1e4, "lm_val_loss": 1.6, "lm_train_wall_s": 1.0}
+                if corpus == "repeat":
+                    m = {**m, "first_loss": 1.5, "second_loss": 1.5 - gain, "gain": gain, "gain_half": half, "n_passages": 32}
+                elif mode == "carry":
+                    m = {**m, "gain": 0.0, "gain_half": 0.0, "by_position": {"0-256": 1.5}}
+                out.append({"suite": "ppl", "layer": layer, "setting": {"corpus": corpus, "mode": mode}, "metrics": m})
+        return pd.json_normalize(out)
+
+    good = ppl.tables(rows(0.5, 0.05))
+    (title, probe), = [(k, v) for k, v in good.items() if "probe" in k]
+    assert not title.startswith("HARNESS INVALID") and list(probe.index) == [BASELINE, "fwpkm", POSITIVE]
+    for gain, half in ((-0.03, 0.02), (0.12, 0.05)):  # no copy; a gain whose interval reaches below 0.1
+        t = ppl.tables(rows(gain, half))
+        (title, probe), = [(k, v) for k, v in t.items() if "probe" in k]
+        assert title.startswith("HARNESS INVALID (the positive control's gain is") and list(probe.index) == [POSITIVE]
+        assert BASELINE in t["Perplexity"].index  # the carried-vs-reset tables do not depend on copying
+
+
+
+def test_a_resumed_lm_suite_neither_trains_nor_evaluates_recorded_lms(micro, tmp_path, monkeypatch):
+    """ppl and niah with `resume`: an LM whose every cell is recorded (same config and seed) is
+    skipped, its rows returned; a changed setting evaluates it again."""
+    import memzoo.bench.lm as lm
+    from memzoo.bench.suites import niah, ppl
+
+    preset, work = load_preset(micro), tmp_path / "work"
+    first = Context(preset, 0, Recorder(tmp_path, "micro", 0), work, progress=False)
+    rows = ppl.run(first, ["fwpkm"]) + niah.run(first, ["fwpkm"])
+    n = len(read_results(tmp_path / "results.jsonl"))
+    shared_lm = lm.shared_lm
+
+    def no_lm(*args, **kwargs):
+        raise AssertionError("a recorded LM was loaded again")
+
+    monkeypatch.setattr(lm, "shared_lm", no_lm)
+    again = Context(preset, 0, Recorder(tmp_path, "micro", 0), work, progress=False, resume=True)
+    key = lambda rs: [(r["suite"], r["setting"], r["config_hash"], r["run_id"]) for r in rs]  # noqa: E731
+    assert key(ppl.run(again, ["fwpkm"]) + niah.run(again, ["fwpkm"])) == key(rows)
+    assert len(read_results(tmp_path / "results.jsonl")) == n  # nothing added
+    monkeypatch.setattr(lm, "shared_lm", shared_lm)
+    changed = load_preset(micro)
+    changed.suites["niah"] = {**changed.suites.get("niah", {}), "samples": 1}
+    new = niah.run(Context(changed, 0, Recorder(tmp_path, "micro", 0), work, progress=False, resume=True), ["fwpkm"])
+    assert len(read_results(tmp_path / "results.jsonl")) == n + len(new) and all(r["metrics"]["n_samples"] == 1 for r in new)
+
 def test_leaderboard_renders_byte_for_byte(micro, tmp_path):
     out = tmp_path / "lb"
     assert main(["bench", "--layers", "fwpkm", "--suite", "ppl", "--preset", str(micro), "--out", str(out),

@@ -18,6 +18,7 @@ from memzoo.data import (
     BIBLE_SETUP,
     ByteTokenizer,
     LMStream,
+    RepeatMix,
     corpus_available,
     corpus_names,
     get_tokenizer,
@@ -206,6 +207,29 @@ def test_lmstream_covers_all_start_positions():
     s = LMStream([torch.arange(20)], seq_len=4, seed=0)
     starts = torch.cat([s.batch(step, 64)[0][:, 0] for step in range(8)])
     assert set(starts.tolist()) == set(range(16))  # 0 .. N - T - 1
+
+
+
+def test_repeatmix_rows_read_a_passage_twice():
+    """A repeated row is its own first h = ceil((T + 1) / 2) tokens twice (cut to T + 1): the
+    target at position i >= h - 1 is the token h positions back; other rows are the stream's."""
+    plain = LMStream([torch.arange(5000)], seq_len=15, seed=1)
+    mix = RepeatMix(plain, 15, mix=0.5, seed=1)
+    x, y = mix.batch(2, 64)
+    px, py = plain.batch(2, 64)
+    w = torch.cat([x, y[:, -1:]], 1)  # 16 tokens per row
+    rep = torch.tensor([torch.equal(w[r, 8:], w[r, :8]) for r in range(64)])
+    assert 16 < int(rep.sum()) < 48  # about half the rows
+    assert torch.equal(w[rep, :8], px[rep, :8])  # the passage: the row's own first 8 tokens
+    assert torch.equal(x[~rep], px[~rep]) and torch.equal(y[~rep], py[~rep])
+    assert torch.equal(y[:, :-1], x[:, 1:])
+    assert torch.equal(mix.batch(2, 64)[0], x)  # a pure function of (seed, step)
+    assert torch.equal(RepeatMix(plain, 15, mix=0.0).batch(2, 64)[0], px)
+    x, y = RepeatMix(LMStream([torch.arange(5000)], seq_len=16), 16, mix=1.0).batch(0, 4)
+    w = torch.cat([x, y[:, -1:]], 1)  # T + 1 = 17 tokens: h = 9, then 8 of the copy
+    assert torch.equal(w[:, 9:], w[:, :8])
+    with pytest.raises(ValueError, match="mix must be in"):
+        RepeatMix(plain, 15, mix=1.5)
 
 
 def test_sequential_chunks_order_and_coverage():

@@ -20,6 +20,7 @@ from memzoo.data.corpora import (
 )
 from memzoo.data.lm import (
     LMStream,
+    RepeatMix,
     sequential_chunks,
     tokenize_corpus,
     unigram_cross_entropy,
@@ -41,6 +42,7 @@ __all__ = [
     "CorpusUnavailableError",
     "HFTokenizer",
     "LMStream",
+    "RepeatMix",
     "SentencePieceTokenizer",
     "Tokenizer",
     "cache_dir",

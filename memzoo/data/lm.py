@@ -116,6 +116,49 @@ class LMStream:
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
+
+class RepeatMix:
+    """A training stream in which a fraction `mix` of the windows read a passage twice.
+
+    Wraps `stream` (an :class:`LMStream`, or anything with ``batch(step, batch_size) -> (x, y)``
+    of token ids); each row of a batch is, with probability `mix`, replaced by its own first
+    ``h = ceil((seq_len + 1) / 2)`` tokens followed by the same tokens again (cut to
+    ``seq_len + 1``), so the second half is a verbatim copy of the first. Batch `step` is a pure
+    function of (seed, step, batch_size), like LMStream's.
+
+    Why (the ppl suite's repeated-passage probe, bench/suites/ppl.py): a 1M-parameter LM
+    trained for minutes on plain text forms no copy circuit, so even full attention that sees a
+    passage's first reading predicts its second no better (measured there). Windows that repeat
+    themselves teach copying, the skill that LMs at the paper's scale pick up from text; a
+    memory layer can then show whether it carries a passage from one sequence to the next.
+    """
+
+    def __init__(self, stream, seq_len: int, mix: float, seed: int = 0):
+        if not 0.0 <= mix <= 1.0:
+            raise ValueError(f"mix must be in [0, 1], got {mix}")
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 to repeat a passage, got {seq_len}")
+        self.stream, self.seq_len, self.mix, self.seed = stream, int(seq_len), float(mix), int(seed)
+
+    def __getattr__(self, name):  # num_tokens, tokens, ...: the wrapped stream's
+        if name == "stream":
+            raise AttributeError(name)
+        return getattr(self.stream, name)
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.stream.batch(step, batch_size)
+        g = torch.Generator().manual_seed(_step_seed(self.seed + 7919, step))
+        rows = torch.nonzero(torch.rand(batch_size, generator=g) < self.mix).flatten()
+        if rows.numel() == 0:
+            return x, y
+        w = torch.cat([x[rows], y[rows, -1:]], dim=1)  # the rows' windows, seq_len + 1 tokens
+        h = (self.seq_len + 2) // 2
+        w = torch.cat([w[:, :h], w[:, :h]], dim=1)[:, : self.seq_len + 1]
+        x, y = x.clone(), y.clone()
+        x[rows], y[rows] = w[:, :-1], w[:, 1:]
+        return x, y
+
+
 def sequential_chunks(
     docs: Sequence[torch.Tensor],
     seq_len: int,
