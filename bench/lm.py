@@ -21,6 +21,12 @@ copy needles learnt neither well enough (bench/suites/niah.py, "The positive con
 passage twice (:class:`memzoo.data.RepeatMix`), so that they learn to copy, which the ppl suite's
 repeated-passage probe needs (bench/suites/ppl.py).
 
+`ppl.document_order` (the standard preset): the ppl LMs of layers whose fast weights persist
+across sequences (FwPKM's) read their documents in order, each batch row continuing where it
+ended in the previous batch (:class:`memzoo.data.DocumentStream`), as the paper trains them, so
+the fast weights a step starts from hold the preceding text of the same documents. The other
+LMs read random windows: they carry nothing from one step to the next.
+
 A trained LM is cached under ``<work_dir>/lm/<layer>-<hash>/`` (the hash covers the model,
 the training settings, the mixture and the seed), so the suites of one run, and later runs
 with the same settings, train it once. Its files (model.pt, lm.json) are written atomically,
@@ -65,6 +71,13 @@ def _mixture(ctx: Context, suite: str) -> dict:
     return {"train_mix": s.train_mix, **({"answer_weight": s.answer_weight} if s.answer_weight != 1 else {}), **rep}
 
 
+def persistent(rc: RunConfig) -> bool:
+    """Whether the model of `rc` has a memory whose fast weights outlive a sequence (FwPKM's,
+    shared by the batch and kept across steps, as the paper trains it; PKM's slow memory has none)."""
+    with torch.device("meta"):
+        return any(not m.per_sequence and len(m.state) > 0 for m in HybridLM(rc.model).memories())
+
+
 def models(ctx: Context, layer: str) -> list[str]:
     """The LMs the ppl and niah suites evaluate for `layer`: the layer's, and with the baseline
     the controls' where the niah suite's `controls` is on."""
@@ -76,10 +89,14 @@ def models(ctx: Context, layer: str) -> list[str]:
 
 def lm_config(ctx: Context, layer: str, suite: str = "ppl") -> tuple[RunConfig, dict, str]:
     """The run config of `layer`'s LM for `suite`, its needle mixture, and the cache key."""
+    from memzoo.bench.suites import ppl
+
     mix = _mixture(ctx, suite)
     own = _niah(ctx).lm if suite == "niah" else {}
     tc = lm_train_config(ctx.preset, seed=ctx.seed, device=ctx.device, **own)
     rc = RunConfig(model_config(ctx.preset, layer), tc)
+    if suite == ppl.NAME and ctx.preset.settings(ppl.NAME, ppl.Settings).document_order and persistent(rc):
+        mix["document_order"] = True
     key = config_hash({**rc.to_dict(), **mix, "held_out": HELD_OUT_TITLES, "version": 1})
     rc.train.out_dir = str(Path(ctx.work_dir) / "lm" / f"{layer}-{key}")
     return rc, mix, key
@@ -129,7 +146,7 @@ def shared_lm(ctx: Context, layer: str, suite: str = "ppl") -> tuple[HybridLM, d
     else:
         t0 = time.time()
         data = prepare_data(rc, leave_out=HELD_OUT_TITLES, needle_mix=mix["train_mix"], answer_weight=mix.get("answer_weight", 1.0),
-                            repeat_mix=mix.get("repeat_mix", 0.0))
+                            repeat_mix=mix.get("repeat_mix", 0.0), document_order=mix.get("document_order", False))
         doing = lambda r: f"lm {layer} step {r['step']}/{rc.train.steps} loss {r['loss']:.3f}"  # noqa: E731
         result = train(rc, data=data, progress=False, overwrite=True, on_step=lambda r: ctx.advance(1, doing(r)))
         model = result["model"]

@@ -115,14 +115,16 @@ def evaluate(model: HybridLM, batches: list) -> float:
 
 
 def prepare_data(rc: RunConfig, leave_out: tuple[str, ...] = (), needle_mix: float = 0.0, answer_weight: float = 1.0,
-                 repeat_mix: float = 0.0):
+                 repeat_mix: float = 0.0, document_order: bool = False):
     """(training stream, validation batches, unigram entropy of the validation text) of
     `rc.train`'s corpus: its documents split into training and validation by the seed, tokenized.
     `leave_out`: titles of training documents to drop (a corpus kept unseen for evaluation);
+    `document_order`: each batch row continues its documents where the previous batch's row
+    ended (:class:`memzoo.data.DocumentStream`; else random windows, :class:`memzoo.data.LMStream`);
     `repeat_mix`: the fraction of training windows that read a passage twice
     (:class:`memzoo.data.RepeatMix`); `needle_mix`: the fraction replaced by needle samples, whose
     answer tokens weigh `answer_weight` in the loss (:class:`memzoo.data.niah.NeedleMix`)."""
-    from memzoo.data import LMStream, RepeatMix, get_tokenizer, load_corpus, split_documents, tokenize_corpus, unigram_entropy
+    from memzoo.data import DocumentStream, LMStream, RepeatMix, get_tokenizer, load_corpus, split_documents, tokenize_corpus, unigram_entropy
 
     tc = rc.train
     tok = get_tokenizer(tc.tokenizer)
@@ -137,7 +139,10 @@ def prepare_data(rc: RunConfig, leave_out: tuple[str, ...] = (), needle_mix: flo
         train_ds = train_ds.filter(lambda r: r["title"] not in leave_out)
     train_docs = tokenize_corpus(train_ds, tok)
     val_docs = tokenize_corpus(splits["validation"], tok)
-    stream = LMStream(train_docs, tc.seq_len, seed=tc.seed)
+    if document_order:
+        stream = DocumentStream(train_docs, tc.seq_len, tc.batch_size, seed=tc.seed)
+    else:
+        stream = LMStream(train_docs, tc.seq_len, seed=tc.seed)
     if repeat_mix > 0:
         stream = RepeatMix(stream, tc.seq_len, repeat_mix, seed=tc.seed)
     if needle_mix > 0:

@@ -183,6 +183,25 @@ def test_a_resumed_lm_suite_neither_trains_nor_evaluates_recorded_lms(micro, tmp
     new = niah.run(Context(changed, 0, Recorder(tmp_path, "micro", 0), work, progress=False, resume=True), ["fwpkm"])
     assert len(read_results(tmp_path / "results.jsonl")) == n + len(new) and all(r["metrics"]["n_samples"] == 1 for r in new)
 
+
+def test_ppl_lms_with_persistent_fast_weights_read_documents_in_order(micro):
+    """ppl.document_order: FwPKM's LM (fast weights shared and kept across steps) trains on a
+    DocumentStream; the baseline's, and every niah LM, on random windows."""
+    from memzoo.bench.lm import lm_config
+    from memzoo.data import DocumentStream, LMStream
+    from memzoo.train import prepare_data
+
+    preset = load_preset(micro)
+    preset.suites["ppl"] = {**preset.suites["ppl"], "document_order": True}
+    ctx = Context(preset, 0, Recorder("/dev/null", "micro", 0), micro.parent / "work", progress=False)
+    mix = {(layer, suite): lm_config(ctx, layer, suite)[1] for layer in (BASELINE, "fwpkm") for suite in ("ppl", "niah")}
+    assert mix[("fwpkm", "ppl")]["document_order"] is True
+    assert not any(m.get("document_order") for k, m in mix.items() if k != ("fwpkm", "ppl"))
+    rc = lm_config(ctx, "fwpkm", "ppl")[0]
+    assert isinstance(prepare_data(rc, document_order=True)[0], DocumentStream)
+    assert isinstance(prepare_data(rc)[0], LMStream)
+
+
 def test_leaderboard_renders_byte_for_byte(micro, tmp_path):
     out = tmp_path / "lb"
     assert main(["bench", "--layers", "fwpkm", "--suite", "ppl", "--preset", str(micro), "--out", str(out),

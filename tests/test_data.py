@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from memzoo.data import (
+    DocumentStream,
     BIBLE_SETUP,
     ByteTokenizer,
     LMStream,
@@ -208,6 +209,26 @@ def test_lmstream_covers_all_start_positions():
     starts = torch.cat([s.batch(step, 64)[0][:, 0] for step in range(8)])
     assert set(starts.tolist()) == set(range(16))  # 0 .. N - T - 1
 
+
+
+def test_documentstream_rows_continue_their_documents():
+    """Row b of batch i + 1 starts where row b of batch i ended; the rows cover equal parts of
+    the shuffled documents; after the last whole window the stream starts again."""
+    docs = [torch.arange(0, 300), torch.arange(1000, 1500), torch.arange(2000, 2200)]
+    s = DocumentStream(docs, seq_len=10, rows=4, seed=0)
+    assert s.part == 250 and s.windows == 24
+    x0, y0 = s.batch(0, 4)
+    x1, _ = s.batch(1, 4)
+    assert torch.equal(y0[:, :-1], x0[:, 1:]) and torch.equal(x1[:, 0], y0[:, -1])  # continues, one token of overlap
+    assert torch.equal(x1[:, 1:], s.tokens[torch.arange(4)[:, None] * 250 + 11 + torch.arange(9)])
+    assert torch.equal(s.batch(24, 4)[0], x0)  # wraps round
+    assert sorted(s.tokens.tolist()) == sorted(torch.cat(docs).tolist())  # every document once
+    assert torch.equal(DocumentStream(docs, 10, 4, seed=0).tokens, s.tokens)
+    assert not torch.equal(DocumentStream(docs, 10, 4, seed=1).tokens, s.tokens)
+    with pytest.raises(ValueError, match="gives batches of 4"):
+        s.batch(0, 8)
+    with pytest.raises(ValueError, match="cannot fill"):
+        DocumentStream([torch.arange(30)], seq_len=10, rows=4)
 
 
 def test_repeatmix_rows_read_a_passage_twice():

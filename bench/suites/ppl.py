@@ -27,6 +27,11 @@ not independent, so read it as a guide) and the loss by position within the docu
 fla's evals/ppl.py, with the memory carried). Layers whose `stats()` report gate values (FwPKM)
 add the histogram of their gates over the carried evaluation (the paper's Figure 3).
 
+The LMs (:mod:`memzoo.bench.lm`). With ``document_order`` (the standard preset) the LMs of
+layers whose fast weights outlive a sequence (FwPKM's and FwMLP's, shared by the batch and kept
+across steps) train on their documents in order, each batch row continuing where it ended (as the
+paper trains them), so that what ``carry`` asks of them at evaluation is what they trained for.
+
 The repeated-passage probe (setting ``{"corpus": "repeat", "mode": "carry"}``): ``passages``
 held-out passages of ``passage_len`` tokens (the sonnets, unseen in training), each read
 twice, the second reading in a new sequence with the carried state of the first: the memory
@@ -85,6 +90,7 @@ class Settings:
     passages: int = 32  # the repeated-passage probe: passages read twice (0: no probe)
     passage_len: int = 128  # tokens per passage (twice this within the LMs' training length)
     repeat_mix: float = 0.0  # fraction of the LMs' training windows that read a passage twice (memzoo.data.RepeatMix)
+    document_order: bool = False  # LMs with persistent fast weights train on documents in order (memzoo.data.DocumentStream)
 
     def __post_init__(self):
         from memzoo.config import ConfigError

@@ -19,6 +19,7 @@ from memzoo.data.corpora import (
     split_documents,
 )
 from memzoo.data.lm import (
+    DocumentStream,
     LMStream,
     RepeatMix,
     sequential_chunks,
@@ -40,6 +41,7 @@ __all__ = [
     "SHAKESPEARE_SETUP",
     "ByteTokenizer",
     "CorpusUnavailableError",
+    "DocumentStream",
     "HFTokenizer",
     "LMStream",
     "RepeatMix",

@@ -117,6 +117,43 @@ class LMStream:
 
 
 
+class DocumentStream:
+    """Training windows that follow documents in order: row b of batch i + 1 continues where
+    row b of batch i ended (FwPKM Sec. 4.2 trains this way, so that fast weights carried from one
+    step to the next hold the preceding text of the same documents).
+
+    The documents, in an order shuffled by `seed`, are concatenated (each ends in EOS) and cut
+    into `rows` equal parts; batch `step` is window ``step mod n`` of every part, where n is the
+    number of whole windows in a part (the stream then starts again). ``batch(step, rows)`` is a
+    pure function of (seed, step); the batch size must be `rows`.
+    """
+
+    def __init__(self, docs: Sequence[torch.Tensor], seq_len: int, rows: int, seed: int = 0):
+        if seq_len < 1 or rows < 1:
+            raise ValueError(f"seq_len and rows must be >= 1, got {seq_len} and {rows}")
+        if len(docs) == 0:
+            raise ValueError("DocumentStream needs at least one document")
+        order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tokens = torch.cat([docs[i].reshape(-1).long() for i in order])
+        self.seq_len, self.rows, self.seed = int(seq_len), int(rows), int(seed)
+        self.part = self.tokens.numel() // rows
+        self.windows = (self.part - 1) // seq_len  # whole windows (seq_len + 1 tokens, overlapping by one) per part
+        if self.windows < 1:
+            raise ValueError(f"{self.tokens.numel()} tokens cannot fill {rows} rows of {seq_len + 1}")
+        self._offsets = torch.arange(self.seq_len + 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch_size != self.rows:
+            raise ValueError(f"a DocumentStream of {self.rows} rows gives batches of {self.rows}, not {batch_size}")
+        starts = torch.arange(self.rows) * self.part + (step % self.windows) * self.seq_len
+        w = self.tokens[starts[:, None] + self._offsets]
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
 class RepeatMix:
     """A training stream in which a fraction `mix` of the windows read a passage twice.
 
