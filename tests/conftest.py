@@ -24,9 +24,15 @@ and runs the shared property suite with `pytest -p MODULE tests/test_layer_prope
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
+
+# Triton kernels (memzoo.kernels) run on CPU under the interpreter, which triton reads when a
+# kernel is decorated: set before anything imports them (a CUDA machine runs them compiled).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from memzoo.layers.base import MemoryLayer, build_layer
 from memzoo.registry import get_layer

@@ -88,9 +88,25 @@ its memory carries a needle across a haystack longer than its training windows (
 recurrent state and window cannot), which is the paper's question. More needles (``needles``) need
 longer-trained LMs.
 
-The 128K-token check (not in the default run)::
+The 128K-token check (not in the default run), one layer per process so that each reads its own
+peak RSS::
 
-    python -m memzoo.bench.suites.niah --layers baseline,fwpkm --lengths 131072 --samples 1 --untrained
+    python -m memzoo.bench.suites.niah --preset standard --layers fwpkm --lengths 131072 --iters 1 --samples 1 --untrained
+
+Measured for every layer family (standard preset's models, untrained: this checks memory and speed,
+not recall; AMD EPYC, one thread, 2026-11-25): one 131,072-token haystack streamed in 1024-token
+pieces with the cache carried, then the question.
+
+    layer     peak RSS (GiB)  tokens/s     layer     peak RSS (GiB)  tokens/s
+    baseline  0.57            12,024       mom       0.58             8,554
+    fwpkm     2.11             5,262       linear    0.56            11,779
+    fwmlp     2.05             6,231       ba        0.56             4,311
+    lact      1.65             6,496       fwl       0.58             7,043
+                                           pkm       0.57            10,095
+
+FwPKM, FwMLP and LaCT hold more because their pass over the haystack is one chunk (C = the
+haystack's length, as Sec. 4.3 sets it): the write at the end of the pass keeps what it needs of all
+131K tokens' reads. Everything stays well under the 8 GiB bound.
 """
 
 from __future__ import annotations

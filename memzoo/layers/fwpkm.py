@@ -49,6 +49,11 @@ App. B ablations: `lookahead`, `gating`, `gate_weighted_loss`, `value_norm`, `ad
 it: the gradient of ½·mean over the chunk's pairs and features, the same loss the value step
 sums), `score="dot"` (the paper found IDW necessary).
 
+Kernels. On CUDA tensors the lookup, the read and the write run the Triton kernels of
+:mod:`memzoo.kernels.fwpkm` (a fused lookup, an embedding bag, deterministic sorted-segment sums
+for the value step and the key gradient); ``triton=False`` keeps the torch path everywhere. The
+write keeps the torch path where outer gradients flow through it (``grad_through_update``).
+
 Non-finite input. The memory is shared by the batch and persists, so one sequence's NaN must
 not reach the others or later calls: a token whose query, value or gate is not finite is left
 out of the write (it writes no pair, is not counted in N^read or p̄); its own output is
@@ -64,6 +69,7 @@ from torch import Tensor
 
 from memzoo.layers.base import MemoryLayer, State
 from memzoo.layers.fw_io import FastWeightIO, finite_tokens, from_variant, write_pairs
+from memzoo.ops import product_key as pk
 from memzoo.ops.product_key import (Lookup, gather_rows, gather_values, lookup, pair_scores, selected_subkey_scores,
                                     subkey_rows)
 from memzoo.registry import register_layer
@@ -119,6 +125,7 @@ class FwPKM(MemoryLayer):
         grad_through_update: bool | None = None,
         before_mixer: bool | None = None,
         pooled_entropy: bool | None = None,
+        triton: bool = True,
         seed: int = 0,
     ):
         super().__init__(d_model)
@@ -145,7 +152,7 @@ class FwPKM(MemoryLayer):
         self.N = n_subkeys**2
         self.chunk_size, self.lr, self.score, self.idw_eps = chunk_size, lr, score, idw_eps
         self.addr_loss, self.lookahead, self.gate_weighted_loss = addr_loss, lookahead, gate_weighted_loss
-        self.per_sequence, self.seed = per_sequence, seed
+        self.per_sequence, self.seed, self.triton = per_sequence, seed, triton
         self.addr_loss_weight = float(opts["addr_loss_weight"])
         self.release_value_scale, self.grad_through_update = opts["release_value_scale"], opts["grad_through_update"]
         self.site = "before_mixer" if opts["before_mixer"] else "after_mixer"
@@ -191,10 +198,20 @@ class FwPKM(MemoryLayer):
         B, T, _ = q.shape
         qh = _fp32(q).view(B, T, self.heads, self.key_dim)
         with torch.no_grad():
-            lk = lookup(qh, state["keys"], self.topk, self.score, self.idw_eps)
+            kern = pk.kernels(q, self.triton)
+            lk = (kern.lookup if kern else lookup)(qh, state["keys"], self.topk, self.score, self.idw_eps)
         top = selected_subkey_scores(qh, state["keys"], lk.sub_index, self.score, self.idw_eps)
         w = torch.softmax(pair_scores(top, lk.pair).flatten(-2), dim=-1)
-        return lk, w, self._rows(lk.index.flatten(-2))
+        # the selected scores as recomputed (exact ||q - K||², not the lookup's expansion): the
+        # kernel path's key gradient reads them
+        return lk._replace(sub_scores=top.detach()), w, self._rows(lk.index.flatten(-2))
+
+    def _gather(self, values: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        """v̂ = Σ s'_i V_i (Eq. 32): the embedding-bag kernel on CUDA, else the torch gather."""
+        kern = pk.kernels(w, self.triton)
+        if kern is None:
+            return gather_values(values, idx, w)
+        return kern.embedding_bag(values, idx, w, snapshot=not values.requires_grad)  # written in place next
 
     def _rows(self, idx: Tensor) -> Tensor:
         if self.per_sequence:  # each sequence addresses its own block of rows
@@ -207,7 +224,7 @@ class FwPKM(MemoryLayer):
     def read_state(self, x: Tensor, state: State) -> Tensor:
         q, v, g = self.io.project(x)
         lk, w, idx = self._lookup(q, state)
-        v_hat = gather_values(self._values(state), idx, w)
+        v_hat = self._gather(self._values(state), idx, w)
         self._note_read(idx, w, g)
         return self.io.output(v_hat.to(v.dtype), v, g)
 
@@ -239,28 +256,42 @@ class FwPKM(MemoryLayer):
             values = state["values"]
             flat = values.view(-1, self.value_dim)
             w_w, idx_w = w[:, :Tw], idx[:, :Tw]  # the writing tokens' own retrieval
-            v_hat = gather_values(flat, idx_w, w_w)
+            v_hat = self._gather(flat, idx_w, w_w)
             # ∇_{v̂_t} of the gate-weighted ½||v_{t+1} - v̂_t||², summed over tokens and features (Sec. 3.2.2)
             err = _fp32(lw).unsqueeze(-1) * (v_hat - _fp32(tgt))  # [B, Tw, Dv]
+            scale = self.lr * (self.topk * self.heads if self.release_value_scale else 1.0)
+            functional = values.requires_grad or (self.grad_through_update and torch.is_grad_enabled())
+            kern = None if functional else pk.kernels(q, self.triton)
+            if kern:  # Eqs. 35-36 in one deterministic segment sum per touched row, in place
+                err_all = err.new_zeros(B, T, self.value_dim)
+                err_all[:, :Tw] = err  # the chunk's last token reads (N_i^read) but writes nothing
+                kern.segment_sum(flat, kern.Segments(idx), w.reshape(-1), err_all.view(-1, self.value_dim),
+                                 per_token=idx.shape[-1], alpha=-scale, count=ok.to(flat.dtype).reshape(-1),
+                                 accumulate=True)
+                new["values"] = values
+                self._note_write(idx_w, B, Tw)
+                return self._advance(new, T)
             # N_i^read (Eq. 36): every read of row i in the chunk, the last token's included
             # (a non-finite token's reads count 0)
             n_read = flat.new_zeros(flat.shape[0]).index_add_(
                 0, idx.reshape(-1), ok[..., None].expand_as(idx).reshape(-1).to(flat.dtype))
             rows = idx_w.reshape(-1)
             n_w = n_read[rows].clamp(min=1)  # (a row only a non-finite token read gets a zero step)
-            scale = self.lr * (self.topk * self.heads if self.release_value_scale else 1.0)
             # Eqs. 35-36: each entry's share of its row's gradient, divided by the row's N_i^read
             delta = (w_w.unsqueeze(-1) * err.unsqueeze(-2)).reshape(-1, self.value_dim)
             delta = delta * (-scale / n_w).unsqueeze(-1)
-            if values.requires_grad or (self.grad_through_update and torch.is_grad_enabled()):
-                flat = flat.index_add(0, rows, delta)  # functional: outer gradients flow through it
+            if functional:
+                flat = flat.index_add(0, rows, delta)  # outer gradients flow through it
             else:
                 _add_rows(flat, rows, delta)  # in place: O(rows touched), not O(N)
             new["values"] = flat.view_as(values)
             self._note_write(idx_w, B, Tw)
+        return self._advance(new, T)
+
+    def _advance(self, state: State, T: int) -> State:
         if not torch.compiler.is_compiling():  # diagnostics stay out of compiled graphs
             self._pos += T
-        return new
+        return state
 
     def _key_grad(self, q, ok, lk: Lookup, tgt, lw, state: State) -> Tensor:
         """∇_K of the addressing loss (Eqs. 37-39), or of the memorisation loss when that is
@@ -281,16 +312,21 @@ class FwPKM(MemoryLayer):
         keys = state["keys"]
         B, T, _ = q.shape
         H, n, d = self.heads, self.n, self.key_dim // 2
-        with torch.set_grad_enabled(self.grad_through_update and torch.is_grad_enabled()):
+        outer = self.grad_through_update and torch.is_grad_enabled()
+        kern = None if outer else pk.kernels(q, self.triton)
+        with torch.set_grad_enabled(outer):
             qh = _fp32(q).view(B, T, H, 2, 1, d)
             rows = subkey_rows(keys, lk.sub_index)  # [B, T, H, 2, k] into keys.reshape(-1, d)
-            K = gather_rows(keys, rows)  # [B, T, H, 2, k, d]
-            if self.score == "idw":
-                diff = qh - K
-                dist = self.idw_eps + diff.pow(2).sum(-1)
-                s, ds_dK = -torch.log(dist), 2 * diff / dist[..., None]
+            if kern:  # the selected scores as _lookup recomputed them (0 for a token that counts nowhere)
+                s = lk.sub_scores.where(ok[:, :, None, None, None], 0)
             else:
-                s, ds_dK = (qh * K).sum(-1), qh.expand_as(K)
+                K = gather_rows(keys, rows)  # [B, T, H, 2, k, d]
+                if self.score == "idw":
+                    diff = qh - K
+                    dist = self.idw_eps + diff.pow(2).sum(-1)
+                    s, ds_dK = -torch.log(dist), 2 * diff / dist[..., None]
+                else:
+                    s, ds_dK = (qh * K).sum(-1), qh.expand_as(K)
             okf = ok[:, :, None, None, None].to(s.dtype)
             p = torch.softmax(s, -1) * okf  # s' over each half's top-k (Eq. 30), counted tokens only
             # p̄ (Eq. 37) per sub-key set: one per sequence (a memory per sequence), head (unless
@@ -303,11 +339,20 @@ class FwPKM(MemoryLayer):
             n_tok = okf.new_zeros(n_sets).index_add_(0, set_id.reshape(-1), okf.expand(B, T, H, 2, 1).reshape(-1))
             n_tok = n_tok.clamp(min=1).take(set_id)[..., None]  # [B, T, H, 2, 1]
             bucket = set_id[..., None] * n + lk.sub_index  # [B, T, H, 2, k]: sub-key i of its set
-            p_bar = p.new_zeros(n_sets * n).index_add(0, bucket.reshape(-1), (p / n_tok).reshape(-1))
+            if kern:
+                p_bar = kern.segment_sum(p.new_zeros(n_sets * n, 1), kern.Segments(bucket), (p / n_tok).reshape(-1))[:, 0]
+            else:
+                p_bar = p.new_zeros(n_sets * n).index_add(0, bucket.reshape(-1), (p / n_tok).reshape(-1))
             dp_bar = self.addr_loss_weight * (torch.log(p_bar + 1e-8) + p_bar / (p_bar + 1e-8))
             dp = dp_bar.take(bucket) / n_tok * okf
             ds = p * (dp - (p * dp).sum(-1, keepdim=True))  # softmax backward
-            grad = keys.new_zeros(keys.numel() // d, d).index_add(0, rows.reshape(-1), (ds[..., None] * ds_dK).reshape(-1, d))
+            grad = keys.new_zeros(keys.numel() // d, d)
+            if kern:  # IDW: Σ_j 2 ds_j (q - K_i) / dist_j, dist = exp(-s), as Σ c_j q - (Σ c_j) K_i
+                c = 2 * ds * torch.exp(s) if self.score == "idw" else ds
+                kern.segment_sum(grad, kern.Segments(rows), c.reshape(-1), qh.reshape(-1, d), per_token=self.topk,
+                                 table=keys.reshape(-1, d) if self.score == "idw" else None)
+                return grad.view_as(keys)
+            grad = grad.index_add(0, rows.reshape(-1), (ds[..., None] * ds_dK).reshape(-1, d))
             return grad.view_as(keys)
 
     def _memorisation_key_grad(self, q, lk: Lookup, tgt, lw, state: State) -> Tensor:
@@ -342,7 +387,7 @@ class FwPKM(MemoryLayer):
             c = slice(s, s + self.chunk_size)
             qc, vc, gc = q[:, c], v[:, c], None if g is None else g[:, c]
             lk, w, idx = self._lookup(qc, state)
-            v_hats.append(gather_values(self._values(state), idx, w))
+            v_hats.append(self._gather(self._values(state), idx, w))
             self._note_read(idx, w, gc, append=s > 0)
             state = self._update(qc, vc, gc, lk, w, idx, state)
         if not v_hats:  # T = 0

@@ -91,7 +91,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers.base import MemoryLayer, State
-from memzoo.ops.product_key import Lookup, lookup
+from memzoo.ops import product_key as pk
+from memzoo.ops.product_key import Lookup, lookup, pair_scores, selected_subkey_scores
 from memzoo.registry import register_layer
 
 QUERY_NORMS = ("rmsnorm", "batchnorm", "none")
@@ -123,6 +124,8 @@ class PKM(MemoryLayer):
         value_lr_scale: learning-rate multiplier of the values' optimizer group (default 1.0:
             1e-3 at the paper's peak LR, XLM's value learning rate).
         norm_eps: epsilon of the query RMSNorm / BatchNorm (1e-6 as the release).
+        triton: on CUDA tensors, look up and read with the Triton kernels of
+            :mod:`memzoo.kernels.fwpkm` (default True); False keeps the torch path.
     """
 
     chunk_size = None
@@ -144,6 +147,7 @@ class PKM(MemoryLayer):
         output_gate: bool = True,
         value_lr_scale: float = 1.0,
         norm_eps: float = 1e-6,
+        triton: bool = True,
     ):
         super().__init__(d_model)
         if key_dim < 2 or key_dim % 2:
@@ -168,6 +172,7 @@ class PKM(MemoryLayer):
         self.query_norm_kind = query_norm
         self.output_gate = bool(output_gate)
         self.value_lr_scale = float(value_lr_scale)
+        self.triton = triton
 
         # ---- slow weights -------------------------------------------------------------------
         q_features = heads * key_dim
@@ -232,7 +237,14 @@ class PKM(MemoryLayer):
 
     def address(self, x: Tensor) -> tuple[Lookup, Tensor]:
         """Eqs. 5-8 and 3: the top-k slots of every head and their softmax weights [B, T, H, k]."""
-        look = lookup(self.queries(x), self.subkeys, self.topk, score="dot")
+        q, kern = self.queries(x), pk.kernels(x, self.triton)
+        if kern:  # the fused kernel selects; the k selected scores are recomputed differentiably
+            with torch.no_grad():
+                look = kern.lookup(q, self.subkeys, self.topk, score="dot")
+            top = selected_subkey_scores(q, self.subkeys, look.sub_index, score="dot")
+            look = look._replace(scores=pair_scores(top, look.pair), sub_scores=top)
+        else:
+            look = lookup(q, self.subkeys, self.topk, score="dot")
         acc = torch.promote_types(look.scores.dtype, torch.float32)  # softmax in >= fp32, as the release
         weights = F.softmax(look.scores.to(acc), dim=-1)
         return look, weights
@@ -246,12 +258,14 @@ class PKM(MemoryLayer):
         # Σ over heads and top-k in one embedding bag (Eq. 9 summed over heads), the math of
         # memzoo.ops.product_key.gather_values without materialising [B·T, H·k, D_V] (the release
         # uses an xformers embedding bag for the same reason).
-        v = F.embedding_bag(
-            look.index.reshape(B * T, m),
-            self.values,
-            per_sample_weights=weights.reshape(B * T, m).to(self.values.dtype),
-            mode="sum",
-        ).reshape(B, T, self.value_dim)
+        kern = pk.kernels(x, self.triton)
+        if kern:
+            v = kern.embedding_bag(self.values, look.index.reshape(B * T, m), weights.reshape(B * T, m))
+            v = v.to(self.values.dtype).reshape(B, T, self.value_dim)
+        else:
+            v = F.embedding_bag(look.index.reshape(B * T, m), self.values,
+                                per_sample_weights=weights.reshape(B * T, m).to(self.values.dtype),
+                                mode="sum").reshape(B, T, self.value_dim)
         self._record_usage(look.index, weights)
         if self.gate_proj is not None:
             v = v * F.silu(self.gate_proj(x))

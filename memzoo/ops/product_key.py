@@ -121,3 +121,20 @@ def selected_subkey_scores(q: Tensor, subkeys: Tensor, sub_index: Tensor, score:
     if score == "dot":
         return (qh * K).sum(-1)
     return -torch.log(eps + (qh - K).pow(2).sum(-1))
+
+
+def kernels_for(t: Tensor) -> bool:
+    """Whether product-key work on `t` runs the Triton kernels of :mod:`memzoo.kernels.fwpkm`
+    (CUDA tensors; the CPU path never imports them). The layers ask through this one function,
+    so a test can route them to the kernels under ``TRITON_INTERPRET=1`` on CPU."""
+    return t.is_cuda
+
+
+def kernels(t: Tensor, enabled: bool = True):
+    """The module :mod:`memzoo.kernels.fwpkm` where product-key work on `t` runs its kernels
+    (`enabled`, the layer's ``triton`` option, and :func:`kernels_for`), else None."""
+    if not (enabled and kernels_for(t)):
+        return None
+    from memzoo.kernels import fwpkm
+
+    return fwpkm
