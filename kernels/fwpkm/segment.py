@@ -40,8 +40,8 @@ def _segment_kernel(ORDER, STARTS, UROWS, COEF, CNT, X, TABLE, OUT, D, per_token
     end = tl.load(STARTS + u + 1)
     row = tl.load(UROWS + u).to(tl.int64)
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    csum = 0.0
-    cnt = 0.0
+    csum = tl.zeros((1,), tl.float32)  # loop-carried scalars as tensors, for the compiler
+    cnt = tl.zeros((1,), tl.float32)
     for p in range(start, end):
         e = tl.load(ORDER + p)
         tok = e // per_token
