@@ -125,6 +125,27 @@ def test_streaming(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_holding_streams_at_any_split(name):
+    """hold(True), generation's mode: a prompt that ends inside a chunk, then one token per call,
+    gives the outputs of one call; hold(False) writes what was held, leaving one call's state."""
+    layer = make_layer(name)
+    if layer.needs_targets:
+        pytest.skip("writes from the next tokens, which decoding does not have: holding does not apply")
+    C = layer.chunk_size or 4
+    T, a = 2 * C + 3, max(1, C - 1)  # the prompt ends one token short of a chunk boundary
+    x = rand_x(2, T)
+    layer.reset(batch(layer, 2))
+    y_full = layer(x).detach()
+    s_full = clone_state(layer.state)
+    layer.reset(batch(layer, 2))
+    layer.hold(True)
+    y = torch.cat([layer(x[:, :a])] + [layer(x[:, t : t + 1]) for t in range(a, T)], dim=1).detach()
+    torch.testing.assert_close(y, y_full, **F64)
+    layer.hold(False)
+    assert_states_equal(clone_state(layer.state), s_full, exact=False, **F64)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_forward_matches_read_write_definition(name):
     """forward_state (usually a parallel form) == the loop over chunks (tokens when chunk_size is
     None) of read_state/write_state: read then write, or write then read if `inclusive`."""

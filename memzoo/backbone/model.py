@@ -25,7 +25,14 @@ layer"). What a memory is handed besides its input:
 Streaming and memory: a call with `cache=None` starts new sequences: per-sequence memory
 layers are reset, shared persistent ones (FwPKM as in the paper) keep their fast weights
 but detach them from the previous step's graph. A call with the `cache` returned by the
-previous call (use_cache=True) continues the same sequences exactly.
+previous call (use_cache=True) continues the same sequences: exactly for splits on the
+memories' chunk boundaries, and at any split with `stream=True` (chunk-level memories then
+hold a partial chunk back until later calls complete it: MemoryLayer.hold). `generate()`
+(transformers' GenerationMixin) streams so: the prompt, then one token per call, gives the
+logits of one forward over the whole (tests/test_generate.py).
+
+Padding: the GDN state and the memories' fast weights would absorb pad tokens, so an
+`attention_mask` with zeros is refused (batch prompts of one length, or one at a time).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from memzoo.backbone.attention import GatedAttention
@@ -137,7 +144,7 @@ class MemzooOutput(ModelOutput):
     aux_loss: Tensor | None = None  # the auxiliary part of `loss`
 
 
-class HybridLM(PreTrainedModel):
+class HybridLM(PreTrainedModel, GenerationMixin):
     config_class = MemzooConfig
     base_model_prefix = "memzoo"
     main_input_name = "input_ids"
@@ -221,15 +228,24 @@ class HybridLM(PreTrainedModel):
         cache: list | None = None,
         use_cache: bool = False,
         keep_memory: bool = False,
-        **unused,
+        stream: bool = False,
+        attention_mask: Tensor | None = None,
+        return_dict: bool | None = None,
     ) -> MemzooOutput:
         """targets[b, t] is the token after input_ids[b, t] (-100 = ignore). `labels` is the
         Hugging Face form (same positions as input_ids, shifted here). `keep_memory=True`
         carries every memory layer's fast weights on from the previous call even where the
         backbone starts new sequences (cache=None): the PPL protocol of fast weights carried
-        across a document's consecutive sequences (FwPKM Sec. 4.2)."""
+        across a document's consecutive sequences (FwPKM Sec. 4.2). `stream=True` (with
+        use_cache): the calls of a stream may split anywhere (module docstring); it is set by
+        the call that starts the sequences (cache=None). `attention_mask`: all ones, or an
+        error (no padding). `return_dict` is accepted for Hugging Face callers (the output is
+        always a MemzooOutput)."""
         if input_ids.dtype not in (torch.long, torch.int):
             raise TypeError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("memzoo models take no padding: the recurrent state and the memories' fast weights "
+                             "would absorb pad tokens; give prompts of one length, or one at a time")
         B = input_ids.shape[0]
         if targets is None and labels is not None:
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
@@ -239,6 +255,8 @@ class HybridLM(PreTrainedModel):
                 m.reset(B)  # a new sequence
             else:
                 m.detach_state()  # continue from the fast weights, not from the last step's graph
+            if cache is None:
+                m.hold(stream and use_cache)
         h = self.embed(input_ids)
         new_cache = []
         last = len(self.blocks) - 1
@@ -254,6 +272,21 @@ class HybridLM(PreTrainedModel):
                 aux = torch.stack(parts).sum()
                 loss = loss + aux
         return MemzooOutput(loss=loss, logits=logits, cache=new_cache if use_cache else None, aux_loss=aux)
+
+    # ---- generation (transformers' GenerationMixin drives these) ------------------------
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the cache is the model's own (per block: GDN state, KV cache), made by forward
+
+    def prepare_inputs_for_generation(self, input_ids: Tensor, cache: list | None = None,
+                                      attention_mask: Tensor | None = None, **_generation_state) -> dict:
+        """The prompt on the first call, then only the newest token: the backbone's cache and
+        the memories' fast weights carry the rest (`stream`: exact at any split).
+        (GenerationMixin's own bookkeeping arguments are not the model's and are dropped.)"""
+        if cache is not None:
+            input_ids = input_ids[:, -1:]
+        return {"input_ids": input_ids, "cache": cache, "use_cache": True, "stream": True,
+                "attention_mask": attention_mask}
 
 
 AutoConfig.register("memzoo", MemzooConfig)

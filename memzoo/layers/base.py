@@ -173,6 +173,7 @@ class MemoryLayer(nn.Module):
         """Forget: fast weights back to their initial value (shared layers ignore batch_size)."""
         self._batch_size = batch_size
         self._state = self.init_state(batch_size if self.per_sequence else 1)
+        self._drop_held()
 
     def _current(self, x: Tensor) -> State:
         self._check_input(x)
@@ -209,8 +210,56 @@ class MemoryLayer(nn.Module):
         return self.read_state(x, self._current(x))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._held is not None:
+            return self._forward_holding(x)
         y, self._state = self.forward_state(x, self._current(x))
         return y
+
+    # ---- streaming at any split (generation) --------------------------------------------
+    #: the inputs of a chunk read but not yet written, while holding (see `hold`); None: not holding
+    _held: list[Tensor] | None = None
+
+    def hold(self, on: bool) -> None:
+        """Token-by-token streaming for chunk-level read-then-write layers. While holding, a
+        call's last partial chunk is read (with the memory as of its chunk's start) but not
+        written: the next calls complete it, and it is written once whole. Calls split anywhere
+        then give exactly what one call over their concatenation gives, as generation (a prompt,
+        then one token per call) needs; without it a layer writes a partial chunk at the end of
+        each call, which is exact only for splits on chunk boundaries. Changing the mode first
+        writes what is held, as the end of a sequence would. Token-recurrent and inclusive layers
+        stream exactly anyway, and a layer that writes from the next tokens (FWL) has none to
+        write while decoding: they ignore it."""
+        if self._held:
+            held, self._held = torch.cat(self._held, dim=1), None
+            self._state = self.write_state(held, self._current(held))
+        chunked = self.chunk_size is not None and not self.inclusive and not self.needs_targets
+        self._held = [] if on and chunked else None
+
+    def _drop_held(self) -> None:
+        """A new sequence: what a stream held is forgotten with the rest (holding goes on)."""
+        if self._held:
+            self._held = []
+
+    def _forward_holding(self, x: Tensor) -> Tensor:
+        state, C, held = self._current(x), self.chunk_size, self._held
+        n_held, T, pos, ys = sum(h.shape[1] for h in held), x.shape[1], 0, []
+        while pos < T:
+            if n_held == 0 and T - pos >= C:  # whole chunks: the layer's own forward
+                k = (T - pos) // C * C
+                y, state = self.forward_state(x[:, pos : pos + k], state)
+            else:
+                k = min(C - n_held, T - pos)
+                y = self.read_state(x[:, pos : pos + k], self.advance_state(state, n_held))
+                held.append(x[:, pos : pos + k])
+                n_held += k
+                if n_held == C:
+                    state = self.write_state(torch.cat(held, dim=1), state)
+                    held.clear()
+                    n_held = 0
+            ys.append(y)
+            pos += k
+        self._state = state
+        return torch.cat(ys, dim=1) if ys else x.new_empty(x.shape[0], 0, self.d_model)
 
     def meta_scalar(self, x: Tensor) -> int | None:
         """The value an integer `.item()` in this layer's forward takes while its FLOPs are
@@ -274,11 +323,14 @@ class MemoryLayer(nn.Module):
         if self.per_sequence:
             self._batch_size = next(iter(state.values())).shape[0]
         self._state = {k: v.clone() for k, v in state.items()}  # a copy: later writes may be in place
+        self._drop_held()  # what a stream held belongs to the state replaced
 
     def detach_state(self) -> None:
         """Cut the autograd graph behind the state (called where a sequence ends)."""
         if self._state is not None:
             self._state = {k: v.detach() for k, v in self._state.items()}
+        if self._held:
+            self._held = [h.detach() for h in self._held]
 
     @torch.no_grad()
     def stats(self) -> dict:

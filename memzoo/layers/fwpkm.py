@@ -399,6 +399,7 @@ class FwPKM(MemoryLayer):
         self._batch_size = batch_size
         self._state = self.init_state(batch_size if self.per_sequence else 1, reuse=self._state)
         self._pos, self._writer = 0, None
+        self._drop_held()
 
     def reset_stats(self) -> None:
         """Start a new slot-usage count (stats()['usage'] counts slots read since)."""
