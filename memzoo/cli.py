@@ -65,11 +65,14 @@ def cmd_train(args) -> int:
     from memzoo.train import train
 
     rc = load_config(args.config)
-    overrides = (("steps", args.steps), ("out_dir", args.out), ("seed", args.seed), ("device", args.device))
+    overrides = (("steps", args.steps), ("out_dir", args.out), ("seed", args.seed), ("device", args.device),
+                 ("precision", args.precision), ("compile", args.compile or None))
     for k, v in overrides:
         if v is not None:
             setattr(rc.train, k, v)
-    result = train(rc, resume=args.resume, overwrite=args.overwrite)
+    result = train(rc, resume=args.resume, overwrite=args.overwrite, parallel=args.parallel)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports
+        return 0
     print(
         f"done: step {result['step']}, train loss {result['train_loss']:.4f}, val loss {result['val_loss']:.4f} "
         f"(unigram entropy {result['unigram_entropy']:.4f} nats/token), checkpoint {result['checkpoint']}"
@@ -121,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", help="override train.out_dir")
     t.add_argument("--seed", type=int, help="override train.seed")
     t.add_argument("--device", help="override train.device: cpu, cuda, cuda:N, or auto (cuda if available)")
+    t.add_argument("--precision", choices=("auto", "fp32", "bf16"),
+                   help="override train.precision (auto: bf16 autocast on CUDA, fp32 on CPU)")
+    t.add_argument("--compile", action="store_true", help="torch.compile the model's forward (train.compile)")
+    t.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                   help="under torchrun: DDP (a model per process) or FSDP2 (parameters sharded); see memzoo.distributed")
     t.set_defaults(fn=cmd_train)
 
     q = sub.add_parser("params", help="count parameters on the meta device, beside the paper's figure")

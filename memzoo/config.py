@@ -241,9 +241,10 @@ class TrainConfig:
             raise ConfigError(f"{where}.precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
         if self.min_lr > self.lr:
             raise ConfigError(f"{where}.min_lr must be <= {where}.lr ({self.lr}), got {self.min_lr}")
-        if self.corpus not in corpus_names():
-            raise ConfigError(f"{where}.corpus must be one of {', '.join(corpus_names())}, "
-                              f"got {self.corpus!r}{_did_you_mean(self.corpus, corpus_names())}")
+        if self.corpus not in corpus_names() and not (self.corpus.startswith("hf:") and len(self.corpus) > 3):
+            raise ConfigError(f"{where}.corpus must be one of {', '.join(corpus_names())}, or hf:PATH[:NAME] (a "
+                              f"dataset streamed by `datasets`), got {self.corpus!r}"
+                              f"{_did_you_mean(self.corpus, corpus_names())}")
         tok = self.tokenizer  # a Hub id (org/name) or a local directory is loaded by transformers
         if tok not in ("byte", "mistral") and not re.fullmatch(r"([\w-]+/)?[\w.-]+", tok) and not Path(tok).is_dir():
             raise ConfigError(f"{where}.tokenizer must be 'byte', 'mistral', a Hugging Face model id or a local "

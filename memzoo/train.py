@@ -18,6 +18,10 @@ What a run guarantees:
   kept, and metrics.jsonl is strict JSON (no NaN).
 * Bad settings fail before any data is prepared: an unwritable out dir, an unavailable device,
   a resume with a changed config (the message lists the changed fields).
+
+Several processes (``torchrun --nproc_per_node N -m memzoo.train CONFIG [--parallel fsdp]``): DDP
+or FSDP2 with the global batch fixed across world sizes, and checkpoints that resume on any world
+size (:mod:`memzoo.distributed`).
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from tqdm.auto import tqdm
 
 from memzoo.backbone.model import HybridLM, MemzooConfig
 from memzoo.config import ConfigError, RunConfig
+from memzoo.distributed import World, full_state, load_full_state, no_sync
 from memzoo.storage import ensure_writable_dir, load_tensors, torch_save, write_text
 
 CKPT = "ckpt.pt"
+HUB = "hf:"  # train.corpus "hf:PATH[:NAME]": a dataset streamed by `datasets` (prepare_data)
+HUB_VAL_DOCS = 64  # a streamed corpus's first documents, held out for validation
 RUN_FILES = (CKPT, "config.json", "metrics.jsonl")  # what makes a directory hold a run
 
 
@@ -123,7 +130,12 @@ def prepare_data(rc: RunConfig, leave_out: tuple[str, ...] = (), needle_mix: flo
     ended (:class:`memzoo.data.DocumentStream`; else random windows, :class:`memzoo.data.LMStream`);
     `repeat_mix`: the fraction of training windows that read a passage twice
     (:class:`memzoo.data.RepeatMix`); `needle_mix`: the fraction replaced by needle samples, whose
-    answer tokens weigh `answer_weight` in the loss (:class:`memzoo.data.niah.NeedleMix`)."""
+    answer tokens weigh `answer_weight` in the loss (:class:`memzoo.data.niah.NeedleMix`).
+
+    A corpus ``hf:PATH[:NAME]`` is streamed by ``datasets.load_dataset(PATH, NAME, split="train",
+    streaming=True)``: a Hub dataset when online (``hf:HuggingFaceFW/fineweb-edu:sample-10BT``) or a
+    local dataset directory. Its first `HUB_VAL_DOCS` documents are the validation text; the rest
+    train in document order (:class:`memzoo.data.HubStream`)."""
     from memzoo.data import DocumentStream, LMStream, RepeatMix, get_tokenizer, load_corpus, split_documents, tokenize_corpus, unigram_entropy
 
     tc = rc.train
@@ -133,6 +145,22 @@ def prepare_data(rc: RunConfig, leave_out: tuple[str, ...] = (), needle_mix: flo
             f"model.vocab_size={rc.model.vocab_size} is smaller than tokenizer {tc.tokenizer!r}'s "
             f"vocabulary ({tok.vocab_size}); set model.vocab_size >= {tok.vocab_size}"
         )
+    if tc.corpus.startswith(HUB):
+        if leave_out or needle_mix or repeat_mix:
+            raise ConfigError("a streamed (hf:) corpus trains on its documents in order; it has no leave_out, "
+                              "needle_mix or repeat_mix")
+        import datasets
+
+        from memzoo.data import HubStream
+
+        path, _, name = tc.corpus[len(HUB):].partition(":")
+        ds = datasets.load_dataset(path, name or None, split="train", streaming=True)
+        eos = torch.tensor([tok.eos_id])
+        val_docs = [torch.cat([tok.encode_tensor(r["text"]), eos]) for r in ds.take(HUB_VAL_DOCS)]
+        val_stream = LMStream(val_docs, tc.seq_len, seed=10_000 + tc.seed)
+        val_batches = [val_stream.batch(i, tc.batch_size) for i in range(tc.eval_batches)]
+        stream = HubStream(ds.skip(HUB_VAL_DOCS), tok, tc.seq_len, tc.batch_size)
+        return stream, val_batches, unigram_entropy(torch.cat(val_docs), tok.vocab_size)
     splits = split_documents(load_corpus(tc.corpus), seed=tc.seed)
     train_ds = splits["train"]
     if leave_out:
@@ -213,10 +241,11 @@ def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: flo
             for g in opt.param_groups:
                 g["lr"] = lr * g["lr_scale"]
         total = 0.0
-        for x, y in batches:
+        for i, (x, y) in enumerate(batches):
             with torch.autocast(x.device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
                 loss = loss_fn(fwd, x, y) / len(batches)
-            loss.backward()
+            with no_sync(model, last=i == len(batches) - 1):  # DDP: average the gradients once per step
+                loss.backward()
             total += loss.item()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -229,7 +258,7 @@ def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: flo
 
 def train(
     rc: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True, data=None,
-    overwrite: bool = False, on_step=None,
+    overwrite: bool = False, on_step=None, parallel: str = "ddp",
 ) -> dict:
     """Train per `rc`; `stop_after` ends the run after that many steps *without* a final
     checkpoint, exactly like a kill (used by the resume test). `data` replaces the corpus
@@ -238,19 +267,26 @@ def train(
     mixes needles in). `on_step(record)` is called after every step with its metrics record
     (step, loss, lr; val_loss where evaluated): the bench counts its progress with it.
     An out dir that holds another run is an error unless `resume` (continue it) or
-    `overwrite` (delete its files first)."""
+    `overwrite` (delete its files first). Under torchrun, `parallel` ("ddp" or "fsdp") says how
+    the processes share the model (:mod:`memzoo.distributed`)."""
     tc = rc.train
+    world = World.from_env()
     tc.device = resolve_device(tc.device)  # "auto" becomes a device here
     tc.validate()  # also after command-line overrides
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
+    if tc.grad_accum % world.size:
+        raise ConfigError(f"train.grad_accum={tc.grad_accum} must be a multiple of the {world.size} processes: the "
+                          f"global batch (batch_size x grad_accum) is the same on every world size")
     out = ensure_writable_dir(tc.out_dir)
     ckpt_path = out / CKPT
     found = [n for n in RUN_FILES if (out / n).exists()]
     if found and not (resume or overwrite):
         raise FileExistsError(f"{out} holds another run ({', '.join(found)}); "
                               "pass --resume to continue it or --overwrite to replace it")
-    if overwrite:
+    device = world.join(tc.device)  # this rank's device (cuda:LOCAL_RANK under torchrun)
+    world.barrier()  # every rank has looked at the out dir before rank 0 changes it
+    if overwrite and world.main:
         for n in RUN_FILES:
             (out / n).unlink(missing_ok=True)
     ck = None
@@ -270,74 +306,76 @@ def train(
     torch.manual_seed(tc.seed)
     stream, val_batches, unigram_h = prepare_data(rc) if data is None else data
 
-    model = HybridLM(MemzooConfig.from_model_config(rc.model)).to(tc.device)
+    model = HybridLM(MemzooConfig.from_model_config(rc.model)).to(device)
     model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    net = world.wrap(model, parallel, device)  # the module a step runs (DDP, or model sharded in place)
     opt = torch.optim.AdamW(param_groups(model, tc), lr=tc.lr, betas=tc.betas)
-    train_step = make_step(model, opt, tc.grad_clip, resolve_precision(tc.precision, tc.device), tc.compile)
+    train_step = make_step(net, opt, tc.grad_clip, resolve_precision(tc.precision, device), tc.compile)
     step, history, saved = 0, [], None
     if ck is not None:
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["opt"])
+        load_full_state(model, opt, ck["model"], ck["opt"])
         torch.set_rng_state(ck["rng"])
         step, history, saved = ck["step"], ck["history"], ck["step"]
-    write_text(out / "config.json", json.dumps(rc.to_dict(), indent=1))
+    if world.main:
+        write_text(out / "config.json", json.dumps(rc.to_dict(), indent=1))
 
     def write_metrics():
-        write_text(out / "metrics.jsonl", "".join(json.dumps(r, allow_nan=False) + "\n" for r in history))
+        if world.main:
+            write_text(out / "metrics.jsonl", "".join(json.dumps(r, allow_nan=False) + "\n" for r in history))
 
     def stop(what: str, at: int, lr: float):
         bar.close()
+        world.close()
         kept = f"the last good checkpoint (step {saved}) in {out} is kept" if saved else "no checkpoint was written"
         raise Diverged(f"{what} at step {at} (lr {lr:.1e}); {kept}; "
                        "lower train.lr or raise train.warmup")
 
     def save():
-        if not all(torch.isfinite(p).all() for p in model.parameters()):
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        if not world.all(all(bool(torch.isfinite(p).all()) for p in local)):
             stop("the weights are not finite", step, lr)
-        torch_save(
-            {
-                "model": model.state_dict(),
-                "opt": opt.state_dict(),
-                "rng": torch.get_rng_state(),
-                "step": step,
-                "history": history,
-                "config": rc.to_dict(),
-            },
-            ckpt_path,
-        )
+        model_state, opt_state = full_state(model, opt)  # every rank takes part; rank 0 writes
+        if world.main:
+            torch_save({"model": model_state, "opt": opt_state, "rng": torch.get_rng_state(), "step": step,
+                        "history": history, "config": rc.to_dict()}, ckpt_path)
         write_metrics()
+        world.barrier()
 
-    n_params = sum(p.numel() for p in model.parameters())
-    bar = tqdm(total=tc.steps, initial=step, disable=not progress, desc=f"train {rc.model.layout} ({n_params / 1e6:.2f}M)")
+    bar = tqdm(total=tc.steps, initial=step, disable=not (progress and world.main),
+               desc=f"train {rc.model.layout} ({n_params / 1e6:.2f}M)")
     val_loss = history[-1]["val_loss"] if history and "val_loss" in history[-1] else float("nan")
     t0, done_here = time.time(), 0
     while step < tc.steps:
         lr = lr_at(step, tc)
-        micro = (stream.batch(step * tc.grad_accum + i, tc.batch_size) for i in range(tc.grad_accum))
-        loss_sum = train_step([to_device(b, tc.device) for b in micro], lr)
+        # this rank's share of the step's micro-batches (all of them on one process)
+        micro = (stream.batch(step * tc.grad_accum + i, tc.batch_size) for i in range(world.rank, tc.grad_accum, world.size))
+        loss_sum = world.mean(train_step([to_device(b, device) for b in micro], lr))
         if not math.isfinite(loss_sum):
             stop(f"loss is {loss_sum}", step + 1, lr)
         step += 1
         done_here += 1
         rec = {"step": step, "loss": loss_sum, "lr": lr}
         if step % tc.eval_every == 0 or step == tc.steps:
-            val_loss = evaluate(model, val_batches)
+            val_loss = world.mean(evaluate(model, val_batches))
             if not math.isfinite(val_loss):
                 stop(f"validation loss is {val_loss}", step, lr)
             rec["val_loss"] = val_loss
         history.append(rec)
         if on_step is not None:
             on_step(rec)
-        toks = done_here * tc.batch_size * tc.grad_accum * tc.seq_len / (time.time() - t0)
+        toks = done_here * tc.batch_size * tc.grad_accum * tc.seq_len / (time.time() - t0)  # global
         bar.set_postfix(loss=f"{loss_sum:.3f}", val=f"{val_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{toks:.0f}")
         bar.update(1)
         if stop_after is not None and done_here >= stop_after:
             bar.close()
+            world.close()
             return {"step": step, "history": history, "killed": True}
         if step % tc.ckpt_every == 0 or step == tc.steps:
             save()
             saved = step
     bar.close()
+    world.close()
     tail = [r["loss"] for r in history[-10:]]
     return {
         "step": step,
@@ -348,3 +386,11 @@ def train(
         "history": history,
         "model": model,
     }
+
+
+if __name__ == "__main__":  # torchrun --nproc_per_node N -m memzoo.train CONFIG [memzoo train's options]
+    import sys
+
+    from memzoo.cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))

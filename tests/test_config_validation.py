@@ -234,8 +234,8 @@ def test_bases_are_not_listed(tmp_path):
 def test_shipped_configs_state_only_what_differs_from_their_base():
     """Every Table 2 row is the paper base (Table 3: ModelConfig's defaults, the paper's recipe)
     with its own layout; every tiny config trains with the tiny recipe into its own out_dir."""
-    recipe = TrainConfig(tokenizer="mistral", seq_len=4096, batch_size=8, grad_accum=16, steps=20000, lr=1e-3,
-                         min_lr=1e-4, warmup=100).to_dict()
+    recipe = TrainConfig(corpus="hf:HuggingFaceFW/fineweb-edu:sample-10BT", tokenizer="mistral", seq_len=4096,
+                         batch_size=8, grad_accum=16, steps=20000, lr=1e-3, min_lr=1e-4, warmup=100).to_dict()
     rows = [p for p in sorted((CONFIGS / "paper").glob("[!_]*.yaml")) if p.stem != "lact"]
     assert len(rows) == 16
     for p in rows:

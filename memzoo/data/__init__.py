@@ -20,6 +20,7 @@ from memzoo.data.corpora import (
 )
 from memzoo.data.lm import (
     DocumentStream,
+    HubStream,
     LMStream,
     RepeatMix,
     sequential_chunks,
@@ -42,6 +43,7 @@ __all__ = [
     "ByteTokenizer",
     "CorpusUnavailableError",
     "DocumentStream",
+    "HubStream",
     "HFTokenizer",
     "LMStream",
     "RepeatMix",

@@ -154,6 +154,56 @@ class DocumentStream:
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
+class HubStream:
+    """Training windows from a dataset streamed by `datasets` (``load_dataset(..., streaming=True)``):
+    a Hub corpus by name when online (fineweb-edu, a long-document corpus), or a local dataset
+    directory, tokenized as it arrives (EOS after each document) by any memzoo tokenizer.
+
+    Packing keeps document order as :class:`DocumentStream` does: row b of batch i + 1 continues
+    where row b of batch i ended, a row taking the stream's next document when its own ends, so
+    fast weights carried from step to step hold the preceding text of the same documents (FwPKM
+    Sec. 4.2). A stream cannot jump: ``batch(step)`` produces batches in order and drops those it
+    is not asked for (a resumed run, or another rank's micro-batches, reads past them), so batch
+    `step` is still a pure function of the stream and `step`.
+    """
+
+    def __init__(self, docs, tok, seq_len: int, rows: int):
+        if seq_len < 1 or rows < 1:
+            raise ValueError(f"seq_len and rows must be >= 1, got {seq_len} and {rows}")
+        self.tok, self.seq_len, self.rows = tok, int(seq_len), int(rows)
+        self._docs = iter(docs)
+        self._buf = [torch.empty(0, dtype=torch.long) for _ in range(rows)]
+        self._next = 0  # the batch the stream produces next
+
+    def _document(self) -> torch.Tensor:
+        try:
+            text = next(self._docs)["text"]
+        except StopIteration:
+            raise RuntimeError(f"the streamed corpus ran out after {self._next} batches; train fewer steps") from None
+        return torch.cat([self.tok.encode_tensor(text), torch.tensor([self.tok.eos_id])])
+
+    def _produce(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = []
+        for b in range(self.rows):
+            while self._buf[b].numel() < self.seq_len + 1:
+                self._buf[b] = torch.cat([self._buf[b], self._document()])
+            w.append(self._buf[b][: self.seq_len + 1])
+            self._buf[b] = self._buf[b][self.seq_len :]  # the next window starts at this one's last token
+        self._next += 1
+        w = torch.stack(w)
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch_size != self.rows:
+            raise ValueError(f"a HubStream of {self.rows} rows gives batches of {self.rows}, not {batch_size}")
+        if step < self._next:
+            raise ValueError(f"a HubStream produces batches in order: batch {step} was already read "
+                             f"(next: {self._next})")
+        while self._next < step:
+            self._produce()
+        return self._produce()
+
+
 class RepeatMix:
     """A training stream in which a fraction `mix` of the windows read a passage twice.
 
