@@ -106,10 +106,14 @@ class World:
             dist.barrier()
 
     def close(self) -> None:
+        """Leave the process group. The barrier first lets gloo's worker thread finish (and free)
+        every earlier collective while this thread waits without the GIL: torn down with one
+        still pending, its destructor waits for the GIL that the tearing-down thread holds."""
         if self.size > 1:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                dist.barrier()
                 dist.destroy_process_group()
 
 

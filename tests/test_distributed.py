@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,12 @@ def test_persistent_fast_weights_evolve_per_rank(parallel, tmp_path):
     """FwPKM's shared memory (a buffer) is written by each rank's own sequences and never averaged
     or broadcast (the authors' release), while the slow weights stay identical across ranks."""
     out = tmp_path / "ranks.json"
-    mp.spawn(_rank_memory, args=(_free_port(), parallel, str(out)), nprocs=2)
+    ctx = mp.spawn(_rank_memory, args=(_free_port(), parallel, str(out)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=5):  # a hang fails the test instead of the whole run
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the 2-process run did not finish in 120 s")
     res = json.loads(out.read_text())
     assert res["memories_differ"] and res["slow_equal"]
