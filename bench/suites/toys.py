@@ -125,6 +125,19 @@ with batches of 64 learned the seed that failed every smaller setting; what that
 64 tokens hold) do not fill the GDN's state, and 128-token sequences, where they would, were not
 learned within the budget. The capacity curve therefore stays above 0.5 for the baseline.
 
+A capacity pilot (issue 12, 2026-11-25, one seed, AMD EPYC, one thread): the standard MQAR cell with
+a narrow GDN state (``toys.model: {gdn_heads: 32}``, head size 4 at width 128: 512 numbers per layer),
+so that 16 pairs exceed it. Every model was still capped at 2000 steps, test accuracy at 4 / 8 / 16
+pairs:
+
+    baseline (GDN)        0.456 0.340 0.219   train loss 2.19
+    fwpkm (per sequence)  0.592 0.399 0.206   train loss 2.13
+    fwpkm/shared          0.498 0.345 0.192   train loss 2.42
+
+So the narrow GDN does fall below 0.5, but within this budget nothing converged, and FwPKM adds
+little (+0.14 at 4 pairs, nothing at 16). A capacity curve needs either a longer cap for this cell
+or a GDN a little wider (head size 8); not yet run.
+
 Reproducibility (issue 12). PKM's standard cells re-run with a fresh seed set (seeds 100-102, the
 toys suite called for PKM alone, same config hashes; AMD EPYC, one thread, 2026-11-25), beside the
 published seeds 0-2 (mean ± 95% t half-width):
