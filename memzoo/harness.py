@@ -23,7 +23,6 @@ What differs from a Hugging Face model, and why:
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -74,14 +73,13 @@ def load(pretrained: str, tokenizer: str | None = None) -> tuple[HybridLM, str, 
     save_pretrained directory."""
     from memzoo.inspection import load_model
 
-    p = Path(pretrained)
-    if (p if p.is_dir() else p.parent).joinpath("config.json").exists() and not (p / "ckpt.pt").exists() \
-            and not (p / "lm.json").exists():
+    try:
+        model, tok, seq_len = load_model(pretrained)
+    except FileNotFoundError:  # not a memzoo run or bench LM: a save_pretrained directory
         if tokenizer is None:
-            raise ValueError(f"{pretrained} is a save_pretrained directory: give its tokenizer, e.g. "
-                             "--model_args pretrained=...,tokenizer=byte")
+            raise ValueError(f"{pretrained} is not a memzoo run or bench LM; as a save_pretrained directory it "
+                             "needs its tokenizer, e.g. --model_args pretrained=...,tokenizer=byte") from None
         return HybridLM.from_pretrained(pretrained), tokenizer, None
-    model, tok, seq_len = load_model(pretrained)
     return model, tokenizer or tok, seq_len
 
 

@@ -116,3 +116,15 @@ def test_batched_evaluation_is_refused(setup):
     d, _ = setup
     with pytest.raises(ValueError, match="batch_size 1"):
         harness.MemzooLM(pretrained=str(d), batch_size=8)
+
+
+def test_loading_a_run_its_checkpoint_or_a_save_pretrained_dir(setup, tmp_path):
+    d, _ = setup
+    for path in (d, d / "ckpt.pt"):
+        model, tok, seq_len = harness.load(str(path))
+        assert (tok, seq_len) == ("byte", 32)
+    model.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="tokenizer"):
+        harness.load(str(tmp_path / "hf"))
+    again, tok, _ = harness.load(str(tmp_path / "hf"), tokenizer="byte")
+    assert tok == "byte" and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
