@@ -104,11 +104,12 @@ def test_attention_counts_the_pairs_the_mask_keeps(layout, window):
 
 def _gdn_hand_count(Bh: int, T: int, C: int, K: int, V: int, backward: bool) -> int:
     """The chunked algorithm's products per chunk (memzoo.ops.gated_delta_rule): k kᵀ and q kᵀ
-    (C × C × K each), the unit-triangular solve for [U0 | W] (C(C-1) per right-hand side),
-    W h and kᵀ u in the state loop, q h and P U for the outputs. Backward: two products per
-    product, a solve plus a C × C × (V+K) product for the solve."""
-    fwd = 4 * C * C * K + C * (C - 1) * (V + K) + 6 * C * K * V + 2 * C * C * V
-    bwd = 8 * C * C * K + C * (C - 1) * (V + K) + 2 * C * C * (V + K) + 12 * C * K * V + 4 * C * C * V
+    (C × C × K each), the unit-triangular solve for (I + A)⁻¹ (C(C-1) per right-hand side, C of
+    them) and its product with [V | K] (C × C × (V+K)), W h and kᵀ u in the state loop, q h and
+    P U for the outputs. Backward: two products per product, and for the solve another solve
+    plus a C × C × C product."""
+    fwd = 4 * C * C * K + C * (C - 1) * C + 2 * C * C * (V + K) + 6 * C * K * V + 2 * C * C * V
+    bwd = 8 * C * C * K + C * (C - 1) * C + 2 * C * C * C + 4 * C * C * (V + K) + 12 * C * K * V + 4 * C * C * V
     return Bh * (T // C) * (fwd + (bwd if backward else 0))
 
 

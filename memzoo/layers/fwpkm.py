@@ -395,6 +395,7 @@ class FwPKM(MemoryLayer):
         return self.io.output(torch.cat(v_hats, dim=1).to(v.dtype), v, g), state
 
     # ---- diagnostics (Sec. 3.3 usage, Fig. 3 gates, Fig. 5 retrieval trace) ---------------
+    @torch.compiler.disable  # traced, the in-place refill becomes a fresh [B, n², Dv] clone per call (10x slower)
     def reset(self, batch_size: int = 1) -> None:
         self._batch_size = batch_size
         self._state = self.init_state(batch_size if self.per_sequence else 1, reuse=self._state)
