@@ -229,7 +229,7 @@ class Settings:
     seeds: int = 1
     lrs: list = field(default_factory=lambda: [3e-3])  # candidates, chosen on validation (ties: the first)
     layer_lrs: dict = field(default_factory=dict)  # a layer's (or control's) own candidates
-    max_steps: int = 1500  # the cap
+    max_steps: int = 2500  # the cap
     eval_every: int = 50
     patience: int = 6  # evaluations without a gain of min_delta: plateau
     min_steps: int = 500  # no plateau stop before this step (the flat phase before MQAR is learned)
