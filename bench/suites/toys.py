@@ -147,6 +147,16 @@ So 16 pairs in 64 tokens do not exceed even 512 numbers of GDN state per layer o
 enough: at this length shrinking the state only slows learning, and a capacity curve that reaches
 the baseline's 0.5 needs more pairs, hence longer sequences.
 
+Longer sequences (the same session, seed 0, 128 tokens, vocabulary 128 so that 32 keys can be
+distinct, 8 / 16 / 32 pairs, validation accuracy; both runs stopped by hand):
+
+    GDN of the standard cell (4 heads of 32)   step 1300: 0.973 0.986 0.960, still rising
+    narrow GDN (32 heads of 4)                 step 1800: 0.061 0.038 0.031, still at chance
+
+So at width 128 the GDN holds 32 pairs in 128 tokens, and the narrow one does not learn the longer
+task within a budget of this size. Where the baseline falls below 0.5 is past 32 pairs: 256 or more
+tokens (64+ pairs), about 4x the standard cell's step time, some 30 min a cell on one thread.
+
 Reproducibility (issue 12). PKM's standard cells re-run with a fresh seed set (seeds 100-102, the
 toys suite called for PKM alone, same config hashes; AMD EPYC, one thread, 2026-11-25), beside the
 published seeds 0-2 (mean ± 95% t half-width):
@@ -166,7 +176,32 @@ Speed. Toy training runs in bf16 autocast with torch.compile (``precision``, ``c
 losses of fp32 eager within 0.01 after 40 steps for every layer; evaluation stays fp32 eager),
 GDN chunks of 16 (``model.gdn_chunk``) and FwPKM's faster layer code. Memory layers whose forward
 is a Python loop over tokens (Ba) or takes gradients inside (FWL) run eager inside the compiled
-model. ``python -m memzoo.bench.benchmarks.bench_toys`` times one step per setting.
+model. ``python -m memzoo.bench.benchmarks.bench_toys`` times one step per setting, and with
+``--before 279a062`` the standard MQAR cell's step as the code trained it when issue 12 asked for
+2x (fp32 eager, GDN chunk 64), against this code, alternating (AMD EPYC, one thread a side,
+nothing else running; 2026-11-25):
+
+    model      279a062 (tokens/s)   this code (tokens/s)   ratio (3 runs)      median
+    baseline   11,054-11,375        22,694-22,925          2.04 2.07 2.00      2.04x
+    fwpkm       7,966- 8,367        18,821-19,208          2.27 2.30 2.41      2.30x
+
+(An earlier run of the same command with a one-thread pilot busy on the other core: 2.01x and
+2.41x, the baseline's three runs 1.93-2.06x.)
+
+Three profiled changes made the last part of it: GDN's chunk algebra solves for (I + A)⁻¹
+(C right-hand sides) and multiplies once, instead of solving for V + K of them; a non-finite
+token is zeroed on entry and its outputs set to NaN on exit (``gated_delta_rule_chunked``), where
+NaN-safe masked matmuls (isfinite, where and a cumulative sum around every matmul) had cost about
+20 ms of a 200 ms step; and FwPKM's reset runs outside compiled graphs, where the in-place refill
+of its per-sequence values (64 × 4096 × 64 numbers) had become a fresh clone, 35 ms a step. Same
+accuracy: over the first 60 steps (same seed and batches) the losses of the two versions agree
+within 0.006 for both models; the baseline's seed-0 cell retrained by this code ends where its
+published row did (test 0.856 / 0.913 / 0.924, mean 0.898, capped at 2000 steps; published
+0.883 / 0.923 / 0.893, mean 0.900, capped at 2000). FwPKM's seed-0 cell did not: published capped
+at 2000 steps still low (mean 0.153), retrained it was solved at 1500 (0.990). The arithmetic is the
+same to rounding (the loss curves above), and that is the chaos the seeds measure: whether a seed
+leaves the flat phase within the cap moves with rounding-level changes (its published seeds 1-2
+reached 0.980 and 0.933), which is why the published rows are means with intervals over seeds.
 """
 
 from __future__ import annotations
