@@ -159,6 +159,28 @@ def test_toy_config_places_the_layer_and_merges_options():
     assert (neg.layout, neg.memory) == ("NONE", {})
 
 
+def test_toy_config_keeps_a_set_gdn_head_size():
+    """The backbone's head size scales with the width unless `toys.model` sets one (the capacity
+    preset's small GDN state: 4 heads of 16 at width 128, 2 x 4 x 16² = 2048 numbers)."""
+    preset = load_preset("tiny")
+    assert toys.toy_config(preset, BASELINE, 128, 64, toys.Settings()).gdn_head_dim == 128 // 4
+    s = toys.Settings(model={"gdn_chunk": 16, "gdn_head_dim": 16})
+    mc = toys.toy_config(preset, BASELINE, 128, 64, s)
+    assert (mc.gdn_heads, mc.gdn_head_dim) == (4, 16)
+    model = HybridLM(mc)
+    model(torch.zeros(2, 16, dtype=torch.long))
+    assert toys.state_size(model, 16)["gdn_state"] == 2 * 4 * 16 * 16
+
+
+def test_shipped_presets_toys_settings_are_valid():
+    from memzoo.bench.common import preset_names
+
+    for name in preset_names():
+        load_preset(name).settings("toys", toys.Settings).check()
+    cap = load_preset("capacity").settings("toys", toys.Settings)
+    assert cap.tasks == ["mqar"] and max(cap.mqar_kv) * 4 == cap.mqar_seq_len  # as many pairs as the length holds
+
+
 def test_mean_ci_by_hand():
     m, h = mean_ci([1.0, 2.0, 3.0])  # sd 1, t(0.975, 2) = 4.303
     assert m == 2.0 and h == pytest.approx(4.303 / 3**0.5)

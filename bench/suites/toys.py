@@ -161,6 +161,29 @@ So at width 128 the GDN holds 32 pairs in 128 tokens, and the narrow one does no
 task within a budget of this size. Where the baseline falls below 0.5 is past 32 pairs: 256 or more
 tokens (64+ pairs), about 4x the standard cell's step time, some 30 min a cell on one thread.
 
+Capacity: the ``capacity`` preset (zoo_configs/bench/capacity.yaml). Rather than lengthen the
+sequences past what a CPU trains, it keeps 128 tokens (8 / 16 / 32 pairs, vocabulary 128) and
+shrinks the GDN's state at the same width: 4 heads of 16 (``toys.model: {gdn_head_dim: 16}``; a
+set head size is kept, not scaled with the width), 2048 numbers over the 2 layers instead of 8192.
+Pilots (the next session, seed 0, lr 3e-3, AMD EPYC, one thread, two pilots at a time; validation
+accuracy unless marked *test*):
+
+    64 tokens, vocab 64, 4 / 8 / 16 pairs   1 head of 8     step 4000: 0.063 0.047 0.042 (chance is 0.031)
+                                            2 heads of 8    step 4000: 0.238 0.124 0.076, test 0.240 0.130 0.074
+    128 tokens, vocab 128, 8 / 16 / 32      4 heads of 8    step 2400: 0.040 0.032 0.022, still at chance
+                                            4 heads of 16   step 1000: 0.038 0.034 0.027
+                                                            step 1600: 0.538 0.327 0.154
+                                                            step 2200: 0.664 0.480 0.260
+                                                            step 3000: 0.720 0.560 0.332
+                                                            step 4000: 0.756 0.616 0.402 (the lr at its floor),
+                                                            test 0.767 0.606 0.395 (27,000 tokens/s)
+
+So the smallest GDN states do not learn MQAR within a CPU budget at all, and 4 heads of 16 learn it
+and then climb slowly, further the fewer pairs a sequence holds: a capacity slope, below 0.5 at 32
+pairs. Whether that slope is the state's limit or the budget's is what the cap marks: a capped
+cell says the budget stopped it. FwPKM per sequence on the same backbone was still at chance at
+1600 steps (stopped by hand), later than the GDN alone (which left chance at 1200-1400).
+
 Reproducibility (issue 12). PKM's standard cells re-run with a fresh seed set (seeds 100-102, the
 toys suite called for PKM alone, same config hashes; AMD EPYC, one thread, 2026-11-25), beside the
 published seeds 0-2 (mean ± 95% t half-width):
@@ -262,7 +285,7 @@ class Settings:
     widths: list = field(default_factory=lambda: [64])  # d_model of each model; >= 2 for a state curve
     n_layers: int = 2
     at: str = "last"  # where the memory layer goes ("last" = block 1 of 2)
-    model: dict = field(default_factory=lambda: {"gdn_chunk": 16})  # backbone fields over the preset's
+    model: dict = field(default_factory=lambda: {"gdn_chunk": 16})  # backbone fields over the preset's; gdn_head_dim: fixed
     layer_options: dict = field(default_factory=_short_chunks)  # per layer, merged over the preset's
     variants: dict = field(default_factory=dict)  # extra rows: {name: {layer: L, options: {...}}}, run with L
     seeds: int = 1
@@ -359,7 +382,7 @@ def toy_config(preset, layer: str, width: int, vocab_size: int, s: Settings) -> 
         "d_model": width,
         "n_layers": s.n_layers,
         "ffn_dim": max(1, round(ref.ffn_dim * scale)),
-        "gdn_head_dim": max(1, width // ref.gdn_heads),
+        "gdn_head_dim": s.model.get("gdn_head_dim", max(1, width // ref.gdn_heads)),  # a set head size stays
         "attn_head_dim": max(1, width // ref.attn_heads),
     }
     if layer == BASELINE or layer in CONTROLS:
