@@ -181,6 +181,21 @@ def test_shipped_presets_toys_settings_are_valid():
     assert cap.tasks == ["mqar"] and max(cap.mqar_kv) * 4 == cap.mqar_seq_len  # as many pairs as the length holds
 
 
+def test_solved_on_the_mean_or_on_every_slice():
+    """The capacity preset's attention control by hand: validation 0.988 / 0.996 / 0.9997 at
+    8 / 16 / 32 pairs has a mean of 0.9946, solved by the mean, not by every slice."""
+    acc = {8: 0.988, 16: 0.996, 32: 0.9997}
+    assert toys.solved(acc, toys.Settings(target=0.99))
+    assert not toys.solved(acc, toys.Settings(target=0.99, solve_on="every"))
+    assert toys.solved({8: 0.99, 16: 0.995}, toys.Settings(target=0.99, solve_on="every"))
+    with pytest.raises(ConfigError, match="solve_on"):
+        toys.Settings(solve_on="min").check()
+    task = toys.Task("mqar", toys.Settings(val_size=2, test_size=2))
+    mc = toys.toy_config(load_preset("tiny"), BASELINE, 16, task.vocab, toys.Settings())
+    assert "solve_on" not in toys.cell_config(mc, task, toys.Settings(), BASELINE)["train"]  # earlier rows' hashes stay
+    assert toys.cell_config(mc, task, toys.Settings(solve_on="every"), BASELINE)["train"]["solve_on"] == "every"
+
+
 def test_mean_ci_by_hand():
     m, h = mean_ci([1.0, 2.0, 3.0])  # sd 1, t(0.975, 2) = 4.303
     assert m == 2.0 and h == pytest.approx(4.303 / 3**0.5)
@@ -231,6 +246,7 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     df.loc[pos, "metrics.acc_by_kv.1"] = df.loc[pos, "metrics.acc_by_kv.2"] = df.loc[pos, "metrics.accuracy"] = 1.0
     df.loc[neg, "metrics.accuracy"] = df.loc[neg, "metrics.chance"]
     assert toys.validity(df, "mqar") == [] and toys.validity(df, "ar") == []
+    assert toys.validity(df[~neg], "mqar") == [f"no rows of {toys.NEGATIVE} (toys.controls off, or the run stopped before them)"]
     tabs = toys.tables(df)
     mq = tabs["MQAR test accuracy by key-value pairs"]
     assert list(mq["layer"]) == [BASELINE, BASELINE, "fwpkm", "fwpkm", *[c for c in toys.CONTROLS for _ in (16, 24)]]

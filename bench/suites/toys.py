@@ -18,8 +18,8 @@ Protocol, per cell (layer, task, width, seed):
    (kv count or pairs) come from generators of their own, the same for every layer and seed.
 2. *Training to convergence.* AdamW, warmup then cosine to ``min_lr_ratio`` × lr at
    ``max_steps`` (the cap). Every ``eval_every`` steps the model is scored on the validation
-   sets (mean over slices); training stops when that reaches ``target`` (*solved*) or, from
-   ``min_steps`` on, has not gained ``min_delta`` for ``patience`` evaluations (*plateau*);
+   sets (mean over slices); training stops when that reaches ``target`` (*solved*; with
+   ``solve_on: every``, when every slice reaches it) or, from ``min_steps`` on, has not gained ``min_delta`` for ``patience`` evaluations (*plateau*);
    otherwise the cap stops it (*capped*: marked in every table, such a cell did not converge).
    The model kept is the one of the best validation score. ``min_steps`` is there because MQAR
    is learned in a sudden transition after a long flat phase at chance: the 2-layer GDN of
@@ -184,6 +184,24 @@ pairs. Whether that slope is the state's limit or the budget's is what the cap m
 cell says the budget stopped it. FwPKM per sequence on the same backbone was still at chance at
 1600 steps (stopped by hand), later than the GDN alone (which left chance at 1200-1400).
 
+The preset's first run (2026-11-25, AMD EPYC, 2 workers of one thread; the standard rule then:
+solved when the slices' mean reached 0.99), test accuracy at 8 / 16 / 32 pairs:
+
+    baseline        seed 0  0.757 0.592 0.385   3700 steps, plateau
+                    seed 1  0.161 0.098 0.054   3100, plateau (never left the flat phase for good)
+                    seed 2  0.556 0.344 0.187   3200, plateau
+    fwpkm           seed 0  0.571 0.356 0.185   4000, capped
+                    seed 1  0.957 0.944 0.886   4000, capped
+    ctrl:attention  seeds 0 / 1 / 2 at 8 pairs: 0.988 / 0.993 / 0.988 (at 32: 0.999-1.000), solved at 300
+
+So the baseline is below 0.5 at 32 pairs in every seed, but how far it gets first is again
+seed-dependent: a small state makes MQAR's transition late and erratic (seed 1). And the positive
+control, stopped at the first evaluation whose mean crossed 0.99, sat at the threshold on its
+weakest slice, which is the *fewest* pairs for attention (a mixed batch holds 4x more queries of 32
+pairs than of 8): below the 0.99 at the easiest slice that makes the harness valid, in two seeds of
+three. The preset therefore solves on every slice at 0.995 (``solve_on: every``, ``target: 0.995``),
+a new config for every cell, and the rows above are superseded as the run under it records its own.
+
 Reproducibility (issue 12). PKM's standard cells re-run with a fresh seed set (seeds 100-102, the
 toys suite called for PKM alone, same config hashes; AMD EPYC, one thread, 2026-11-25), beside the
 published seeds 0-2 (mean ± 95% t half-width):
@@ -297,6 +315,7 @@ class Settings:
     min_steps: int = 500  # no plateau stop before this step (the flat phase before MQAR is learned)
     min_delta: float = 0.005
     target: float = 0.99  # validation accuracy that counts as solved
+    solve_on: str = "mean"  # solved when the slices' mean reaches target ("mean") or each slice does ("every")
     batch_size: int = 32
     warmup: int = 20
     min_lr_ratio: float = 0.1  # cosine from lr down to lr * this at max_steps
@@ -338,6 +357,8 @@ class Settings:
                 raise ConfigError(f"toys.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.target <= 1 or self.min_delta < 0:
             raise ConfigError(f"toys.target must be in (0, 1] and min_delta >= 0, got {self.target}, {self.min_delta}")
+        if self.solve_on not in ("mean", "every"):
+            raise ConfigError(f"toys.solve_on must be 'mean' or 'every', got {self.solve_on!r}")
         if self.precision not in ("fp32", "bf16"):
             raise ConfigError(f"toys.precision must be 'fp32' or 'bf16', got {self.precision!r}")
         if "mqar" in self.tasks and self.batch_size < len(self.mqar_kv):
@@ -514,7 +535,7 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
         stale = 0 if val >= best + s.min_delta else stale + 1
         if val > best:
             best, best_state = val, copy.deepcopy(model.state_dict())
-        if val >= s.target:
+        if solved(acc, s):
             stop = "solved"
             break
         if stale >= s.patience and step + 1 >= s.min_steps:
@@ -526,14 +547,22 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
     return Fit(model, max(best, 0.0), step + 1, stop, sum(tail) / len(tail), tokens / max(busy, 1e-9))
 
 
+def solved(acc: dict[int, float], s: Settings) -> bool:
+    """Whether validation accuracies by slice reach the target: their mean, or each of them."""
+    return (min(acc.values()) if s.solve_on == "every" else sum(acc.values()) / len(acc)) >= s.target
+
+
 def cell_config(mc: ModelConfig, task: Task, s: Settings, layer: str) -> dict:
     """Everything one cell's numbers depend on (its hash decides whether a resumed run skips it)."""
     data = ({"vocab": s.mqar_vocab, "seq_len": s.mqar_seq_len, "kv": s.mqar_kv, "power_a": s.power_a}
             if task.name == "mqar" else {"pairs": s.ar_pairs})
     keep = ("max_steps", "min_steps", "eval_every", "patience", "min_delta", "target", "batch_size", "warmup", "min_lr_ratio",
             "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size")
-    return {"model": mc.to_dict(), "task": task.name, "data": data, "lrs": s.candidates(layer),
-            "train": {k: getattr(s, k) for k in keep}, "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 2}
+    train = {k: getattr(s, k) for k in keep}
+    if s.solve_on != "mean":  # the default is left out: the rows recorded before the option keep their hashes
+        train["solve_on"] = s.solve_on
+    return {"model": mc.to_dict(), "task": task.name, "data": data, "lrs": s.candidates(layer), "train": train,
+            "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 2}
 
 
 def cells(layer: str, s: Settings) -> list[str]:
@@ -639,7 +668,8 @@ def validity(df, task: str) -> list[str]:
     out = []
     pos, neg = d[d["layer"] == POSITIVE], d[d["layer"] == NEGATIVE]
     if pos.empty or neg.empty:
-        return ["the controls were not run (toys.controls)"]
+        missing = " and ".join(c for c, g in ((POSITIVE, pos), (NEGATIVE, neg)) if g.empty)
+        return [f"no rows of {missing} (toys.controls off, or the run stopped before them)"]
     easiest = _slices(d)[0]
     for w, g in pos.groupby("setting.d_model"):
         worst = g[easiest].min()
