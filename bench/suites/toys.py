@@ -19,7 +19,8 @@ Protocol, per cell (layer, task, width, seed):
 2. *Training to convergence.* AdamW, warmup then cosine to ``min_lr_ratio`` × lr at
    ``max_steps`` (the cap). Every ``eval_every`` steps the model is scored on the validation
    sets (mean over slices); training stops when that reaches ``target`` (*solved*; with
-   ``solve_on: every``, when every slice reaches it) or, from ``min_steps`` on, has not gained ``min_delta`` for ``patience`` evaluations (*plateau*);
+   ``solve_on: every``, when every slice reaches it) or, from ``min_steps`` on, has not gained
+   ``min_delta`` for ``patience`` evaluations (*plateau*);
    otherwise the cap stops it (*capped*: marked in every table, such a cell did not converge).
    The model kept is the one of the best validation score. ``min_steps`` is there because MQAR
    is learned in a sudden transition after a long flat phase at chance: the 2-layer GDN of
