@@ -260,6 +260,12 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     assert [p.read_bytes() for p in paths] == [p.read_bytes() for p in again]
 
 
+def test_figure_intervals_stop_at_0_and_1():
+    # (mean, half-width) -> [below], [above]: 0.348 ± 0.589 (the capacity baseline's kind of spread)
+    below, above = toys._within_unit([(0.348, 0.589), (0.998, 0.004), (0.5, 0.1)])
+    assert below == pytest.approx([0.348, 0.004, 0.1]) and above == pytest.approx([0.589, 0.002, 0.1])
+
+
 def test_interval_marks_against_the_baseline():
     assert toys._fmt([0.9, 0.91, 0.92], ref=[0.5, 0.51, 0.52]).endswith(" ▲")
     assert toys._fmt([0.1, 0.11, 0.12], ref=[0.5, 0.51, 0.52]).endswith(" ▼")

@@ -749,11 +749,18 @@ def tables(df) -> dict:
     return out
 
 
+def _within_unit(stats) -> list[list[float]]:
+    """Error bars of (mean, half-width) pairs as matplotlib's [below, above], cut at 0 and 1: an
+    accuracy's t-interval over a few erratic seeds can reach past both."""
+    return [[min(h, m) for m, h in stats], [min(h, 1 - m) for m, h in stats]]
+
+
 def figures(df, out_dir: Path) -> list[Path]:
     """toys_mqar_capacity.png: MQAR test accuracy against kv pairs, a line per model with its
-    95% interval, a panel per width. toys_mqar_state.png: mean accuracy against the recurrent
-    state per sequence (a point per width; the attention control's state is its KV cache).
-    A task whose controls fail is not drawn."""
+    95% interval (cut at 0 and 1) and a dot per seed, a panel per width. toys_mqar_state.png:
+    mean accuracy against the recurrent state per sequence (a point per width; the attention
+    control's state is its KV cache; a model without state, ctrl:none, has no place on its log
+    axis). A task whose controls fail is not drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -764,20 +771,24 @@ def figures(df, out_dir: Path) -> list[Path]:
     if m.empty or validity(df, "mqar"):
         return []
     order = layer_order(m["layer"])
-    palette = dict(zip(order, sns.color_palette("tab10", len(order))))
+    palette = dict(zip(order, sns.color_palette("tab10" if len(order) <= 10 else "tab20", len(order))))  # no colour twice
     widths = sorted(int(w) for w in m["setting.d_model"].unique())
     kvs = [int(c[len(ACC):]) for c in _slices(m)]
     paths = []
 
-    fig, axes = plt.subplots(1, len(widths), figsize=(4.8 * len(widths), 4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(widths), figsize=(4.8 * len(widths) + 1.4, 4), sharey=True, squeeze=False)
     for ax, w in zip(axes[0], widths):
-        for layer in order:
+        for i, layer in enumerate(order):
             g = m[(m["layer"] == layer) & (m["setting.d_model"] == w)]
             if g.empty:
                 continue
+            xs = [k * 2 ** (0.05 * (i - (len(order) - 1) / 2)) for k in kvs]  # dodged, so that bars do not hide each other
             stats = [mean_ci(list(g[f"{ACC}{k}"].dropna())) for k in kvs]
-            ax.errorbar(kvs, [a for a, _ in stats], yerr=[h for _, h in stats], label=layer, marker="o", capsize=3,
+            ax.errorbar(xs, [a for a, _ in stats], yerr=_within_unit(stats), label=layer, marker="o", capsize=3,
                         color=palette[layer], linestyle="--" if layer in CONTROLS else "-")
+            for _, r in g.sort_values("seed").iterrows():  # each seed: erratic seeds make wide intervals
+                ax.scatter(xs, [r[f"{ACC}{k}"] for k in kvs], s=16, marker="x", alpha=0.6, color=palette[layer],
+                           linewidths=1)
         ax.axhline(0.5, color="grey", lw=0.6, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xticks(kvs, [str(k) for k in kvs])
@@ -785,22 +796,22 @@ def figures(df, out_dir: Path) -> list[Path]:
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("key-value pairs")
         ax.set_title(f"MQAR, d_model={w}")
-    axes[0][0].set_ylabel("test accuracy (mean, 95% interval)")
-    axes[0][-1].legend(fontsize=7, loc="lower left")
+    axes[0][0].set_ylabel("test accuracy (mean, 95% interval; x: seeds)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))  # outside: no point hidden
     fig.tight_layout()
     paths.append(save_png(fig, Path(out_dir) / "toys_mqar_capacity.png"))
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for layer in order:
-        g = m[m["layer"] == layer]
+        g = m[(m["layer"] == layer) & (m["metrics.state_size"] > 0)]  # no state (ctrl:none): off a log axis
         pts = []
         for w in widths:
             gw = g[g["setting.d_model"] == w]
             if not gw.empty:
                 pts.append((float(gw["metrics.state_size"].iloc[0]), *mean_ci(list(gw["metrics.accuracy"])), w))
         if pts:
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], label=layer, marker="o",
-                        capsize=3, color=palette[layer], linestyle="--" if layer in CONTROLS else "-")
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=_within_unit([p[1:3] for p in pts]), label=layer,
+                        marker="o", capsize=3, color=palette[layer], linestyle="--" if layer in CONTROLS else "-")
             for x, y, _, w in pts:
                 ax.annotate(f"d={w}", (x, y), xytext=(4, -10), textcoords="offset points", fontsize=7,
                             color=palette[layer])
