@@ -8,6 +8,15 @@ form is one training on one thread (about 5 minutes)::
 
     python -m memzoo.bench.experiments.fwpkm_sharing              # all forms
     python -m memzoo.bench.experiments.fwpkm_sharing shared gdn   # some
+
+``--capacity SEED``: the capacity preset's ``fwpkm/shared`` cell (zoo_configs/bench/capacity.yaml),
+trained exactly as the bench trains it (the same steps, stop and test accuracy as its row), then
+its test accuracy read three ways with the same slow weights: as trained (the memory shared by
+the batch of 64), with the memory per sequence (each test sequence reads only its own writes,
+from the initial fast weights), and with the memory's output removed (the GDN alone); and the
+mean write gate g on the test set. About 20 minutes on one thread::
+
+    python -m memzoo.bench.experiments.fwpkm_sharing --capacity 0
 """
 
 from __future__ import annotations
@@ -44,8 +53,45 @@ def run(form: str) -> dict:
             "train_loss": round(fit.train_loss, 3)}
 
 
+def capacity_probe(seed: int) -> dict:
+    """The capacity preset's fwpkm/shared cell, its test accuracy as trained, with a memory per
+    sequence, and without the memory's output (module docstring)."""
+    from memzoo.bench.common import load_preset
+    from memzoo.bench.suites import toys
+
+    preset = load_preset("capacity")
+    s = preset.settings(toys.NAME, toys.Settings)
+    task = toys.Task("mqar", s)
+    name = "fwpkm/shared"
+    mc = toys.toy_config(preset, name, s.widths[0], task.vocab, s)
+    fit = toys.train_cell(mc, task, s.candidates(name)[0], s, seed)
+    model, (mem,) = fit.model, fit.model.memories()
+
+    def acc():
+        return {k: round(v, 4) for k, v in toys.evaluate(model, task.test, s.batch_size).items()}
+
+    gates = []
+    hook = mem.io.g_proj.register_forward_hook(lambda m, i, o: gates.append(torch.sigmoid(o).float().mean().item()))
+    out = {"seed": seed, "steps": fit.steps, "stop": fit.stop, "as_trained": acc(),
+           "gate_mean": round(sum(gates) / len(gates), 4)}
+    hook.remove()
+    mem.per_sequence = True  # the same slow weights; each sequence's memory starts from the initial fast weights
+    out["per_sequence_at_test"] = acc()
+    mem.per_sequence = False
+    hook = mem.register_forward_hook(lambda m, i, o: torch.zeros_like(o))
+    out["memory_output_removed"] = acc()
+    hook.remove()
+    return out
+
+
 def main(argv=None) -> None:
-    forms = (argv if argv is not None else sys.argv[1:]) or list(FORMS)
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if argv[:1] == ["--capacity"]:
+        torch.set_num_threads(1)
+        for seed in argv[1:] or ["0"]:
+            print(json.dumps(capacity_probe(int(seed))), flush=True)
+        return
+    forms = argv or list(FORMS)
     unknown = [f for f in forms if f not in FORMS]
     if unknown:
         raise SystemExit(f"unknown form(s) {unknown}; forms: {', '.join(FORMS)}")
