@@ -260,6 +260,28 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     assert [p.read_bytes() for p in paths] == [p.read_bytes() for p in again]
 
 
+def _row(layer, seed, acc, chance=0.25):
+    m = {"acc_by_kv": {"2": acc, "4": acc}, "accuracy": acc, "steps": 100, "stop": "solved", "lr": 3e-3, "chance": chance,
+         "state_size": 8, "gdn_state": 8, "kv_cache": 0, "mem_state": 0, "state_shared": False, "params": 10,
+         "tokens_per_s": 1}
+    return {"layer": layer, "seed": seed, "setting": {"task": "mqar", "d_model": 16}, "metrics": m}
+
+
+def test_a_layer_short_of_the_baselines_seeds_is_withheld(tmp_path):
+    rows = [_row(n, s, a) for n, a in ((BASELINE, 0.6), (toys.POSITIVE, 1.0), (toys.NEGATIVE, 0.25), ("pkm", 0.8))
+            for s in range(3)]
+    rows += [_row("linear", 0, 0.9)]  # a run stopped after its first seed
+    df = pd.json_normalize(rows)
+    kept, partial = toys.incomplete(df)
+    assert partial == {"mqar": ["linear (1 of 3 seeds)"]} and "linear" not in set(kept["layer"]) and len(kept) == 12
+    title, table = next(iter(toys.tables(df).items()))
+    assert title == "MQAR test accuracy by key-value pairs (withheld until every seed has run: linear (1 of 3 seeds))"
+    assert list(table["layer"]) == [BASELINE, "pkm", *toys.CONTROLS]
+    assert "linear" not in set(toys.tables(df)["Recurrent state per sequence (numbers) and parameters"]["layer"])
+    assert toys.incomplete(df[df["layer"] != "linear"])[1] == {}  # nothing short: nothing withheld
+    assert [p.name for p in toys.figures(df, tmp_path)] == ["toys_mqar_capacity.png", "toys_mqar_state.png"]
+
+
 def test_figure_intervals_stop_at_0_and_1():
     # (mean, half-width) -> [below], [above]: 0.348 ± 0.589 (the capacity baseline's kind of spread)
     below, above = toys._within_unit([(0.348, 0.589), (0.998, 0.004), (0.5, 0.1)])

@@ -716,12 +716,30 @@ TITLES = {"mqar": ("MQAR test accuracy by key-value pairs", "kv"),
           "ar": ("Ba's associative retrieval test accuracy by pairs", "pairs")}
 
 
+def incomplete(df) -> tuple:
+    """(df without them, {task: ["layer (n of N seeds)", ...]}): the layers and variants of a task
+    and width with fewer seeds than the baseline's there, such as a cell whose run was stopped
+    between seeds (a resumed run adds the rest). A published cell has every seed; the controls
+    stay, since the validity of the harness is judged on each of their seeds."""
+    keep, out = df.index == df.index, {}
+    for (task, w), d in df.groupby(["setting.task", "setting.d_model"]):
+        full = d.loc[d["layer"] == BASELINE, "seed"].nunique()
+        for layer, g in d.groupby("layer"):
+            n = g["seed"].nunique()
+            if layer != BASELINE and layer not in CONTROLS and n < full:
+                keep &= ~df.index.isin(g.index)
+                out.setdefault(task, []).append(f"{layer} ({n} of {full} seeds)")
+    return df[keep], {k: sorted(v) for k, v in out.items()}
+
+
 def tables(df) -> dict:
     """Per task: test accuracy by slice (mean ± 95% interval over seeds, ▲/▼ against the
     baseline), steps and stops, chosen lr and state size; then the state and parameters per
-    model. A task whose controls fail shows the controls only, under a title that says so."""
+    model. A task whose controls fail shows the controls only, under a title that says so; a
+    layer with fewer seeds than the baseline is left out and named in the title (`incomplete`)."""
     import pandas as pd
 
+    df, partial = incomplete(df)
     out = {}
     for task in [t for t in TASKS if t in set(df["setting.task"])]:
         title, sl = TITLES[task]
@@ -730,6 +748,8 @@ def tables(df) -> dict:
         if bad:
             title = f"HARNESS INVALID for {task} ({'; '.join(bad)}): layer rows withheld; the controls"
             t = t[t["layer"].isin(CONTROLS)]
+        elif task in partial:
+            title += f" (withheld until every seed has run: {', '.join(partial[task])})"
         out[title] = t.reset_index(drop=True)
     first = df.sort_values("seed").groupby(["layer", "setting.task", "setting.d_model"], as_index=False).first()
     first = first[first["setting.task"] == next(t for t in TASKS if t in set(first["setting.task"]))]
@@ -760,13 +780,14 @@ def figures(df, out_dir: Path) -> list[Path]:
     95% interval (cut at 0 and 1) and a dot per seed, a panel per width. toys_mqar_state.png:
     mean accuracy against the recurrent state per sequence (a point per width; the attention
     control's state is its KV cache; a model without state, ctrl:none, has no place on its log
-    axis). A task whose controls fail is not drawn."""
+    axis). A task whose controls fail is not drawn, nor a layer with fewer seeds than the baseline."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import seaborn as sns
 
+    df = incomplete(df)[0]
     m = df[df["setting.task"] == "mqar"]
     if m.empty or validity(df, "mqar"):
         return []
