@@ -820,7 +820,7 @@ def _within_unit(stats) -> list[list[float]]:
 
 def figures(df, out_dir: Path) -> list[Path]:
     """toys_mqar_capacity.png: MQAR test accuracy against kv pairs, a line per model with its
-    95% interval (cut at 0 and 1) and a dot per seed, a panel per width. toys_mqar_state.png:
+    95% interval (cut at 0 and 1) and a cross per seed, a panel per width. toys_mqar_state.png:
     mean accuracy against the recurrent state per sequence (a point per width; the attention
     control's state is its KV cache; a model without state, ctrl:none, has no place on its log
     axis). A task whose controls fail is not drawn, nor a layer with fewer seeds than the baseline."""
