@@ -8,11 +8,13 @@ Rows are appended to ``<out>/results.jsonl`` as they are measured (a killed run 
 it finished); trained LMs are cached in the work dir (``runs/bench/<preset>``), so running
 another suite later reuses them. ``memzoo leaderboard`` renders the published tables.
 
-On a CPU the layers are shared out among ``--jobs`` worker processes (default: one per core,
-each with one thread): tiny models keep one core busy but gain little from a second, so two
-single-thread workers finish the default comparison in about half the time of one process
-with two threads. Every number a worker measures is independent of the others (same seeds,
-same data), only wall times and throughput see the neighbour.
+On a CPU the run is cut into jobs (each toy cell; each layer's other suites, in order), which
+``--jobs`` worker processes (default: one per core, each with one thread) take from one queue
+as they become free, the baseline's first and then the costliest: tiny models keep one core
+busy but gain little from a second, so two single-thread workers finish the default comparison
+in about half the time of one process with two threads. Every number a worker measures is
+independent of the others (same seeds, same data), only wall times and throughput see the
+neighbour. The workers share the run's torch.compile cache.
 
 Progress is one bar over all workers, in units of work known before the first starts: training
 steps (the toys' and the shared LMs'), evaluated cells (ppl's corpus and mode, NIAH's samples)
@@ -22,6 +24,7 @@ and measured models (cost); with an ETA and, after it, what each worker is doing
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from memzoo.bench.common import BASELINE, Context, Recorder, check_layers, load_preset
@@ -56,17 +59,43 @@ def bench_cost(layer: str) -> float:
     return 1.0 if layer == BASELINE else getattr(get_layer(layer), "bench_cost", 1.5)
 
 
-def share_out(layers: list[str], jobs: int) -> list[list[str]]:
-    """Layers in `jobs` groups of about equal cost (longest first onto the lightest group); the
-    baseline runs first in its group, so that a run cut short holds the reference rows (and the
-    toys' controls, which run with it)."""
-    groups: list[list[str]] = [[] for _ in range(jobs)]
-    load = [0.0] * jobs
-    for layer in sorted(layers, key=lambda n: -bench_cost(n)):
-        i = load.index(min(load))
-        groups[i].append(layer)
-        load[i] += bench_cost(layer)
-    return [sorted(g, key=lambda n: n != BASELINE) for g in groups if g]
+@dataclass(frozen=True)
+class Job:
+    """What one worker takes whole: a suite's part for one layer (a toy cell), or the layer's
+    suites that have no parts, in order (ppl and niah share the layer's LM: one job trains it)."""
+
+    layer: str
+    suites: tuple[str, ...]
+    part: tuple | None = None
+    cost: float = 1.0  # relative, for the order only
+
+    def run(self, ctx: Context) -> None:
+        for s in self.suites:
+            if self.part is None:
+                suite(s).run(ctx, [self.layer])
+            else:
+                suite(s).run(ctx, [self.layer], only=[self.part])
+
+
+def plan(ctx: Context, layers: list[str], todo: list[str]) -> list[Job]:
+    """Every job of a run, in the order the workers take them from one queue: the baseline's
+    first, so that a run cut short holds the reference rows (and the toys' controls, which run
+    with it); then the others costliest first, so that the last jobs taken, the short ones,
+    even out when the workers finish (a static share of layers per worker left one of two
+    workers idle for the last ~40 minutes of the standard toys). A job's cost is its units of
+    work (a suite's parts say their own) times its layer's `bench_cost`."""
+    jobs = []
+    for layer in layers:
+        whole = []
+        for s in todo:
+            mod = suite(s)
+            if hasattr(mod, "parts"):
+                jobs += [Job(layer, (s,), part, w * bench_cost(layer)) for part, w in mod.parts(ctx, layer)]
+            else:
+                whole.append(s)
+        if whole:
+            jobs.append(Job(layer, tuple(whole), None, work_units(ctx, [layer], whole) * bench_cost(layer)))
+    return sorted(jobs, key=lambda j: (j.layer != BASELINE, -j.cost))  # stable: ties keep the run order
 
 
 def work_units(ctx: Context, layers: list[str], todo: list[str]) -> int:
@@ -77,13 +106,6 @@ def work_units(ctx: Context, layers: list[str], todo: list[str]) -> int:
     mods = [suite(s) for s in todo]
     lm = [m.NAME for m in mods if getattr(m, "USES_LM", False)]
     return sum(sum(m.work(ctx, layer) for m in mods) + untrained_steps(ctx, layer, lm) for layer in layers)
-
-
-def _work(ctx: Context, layers: list[str], todo: list[str]) -> None:
-    """Layer by layer (each layer's LM is trained once, then used by ppl and niah), suite by suite."""
-    for layer in layers:
-        for s in todo:
-            suite(s).run(ctx, [layer])
 
 
 def exit_with(parent: int, poll_s: float = 1.0) -> None:
@@ -102,10 +124,11 @@ def exit_with(parent: int, poll_s: float = 1.0) -> None:
 
 
 def private_compile_cache() -> None:
-    """torch.compile's on-disk cache in a directory of this process's own, removed at exit. The
-    shared default (/tmp/torchinductor_<user>) is written in place: a bench killed while it
-    compiles (which is how a resumable run stops) can leave a truncated library there, and the
-    next run's compile then fails ("file too short")."""
+    """torch.compile's on-disk cache in a directory of this run's own (its workers inherit it
+    and share it: a graph one worker compiled, the other loads; inductor locks what it writes
+    against concurrent compiles), removed at exit. The shared default (/tmp/torchinductor_<user>)
+    outlives runs: a bench killed while it compiles (which is how a resumable run stops) can
+    leave a truncated library there, and the next run's compile then fails ("file too short")."""
     import atexit
     import os
     import shutil
@@ -116,21 +139,21 @@ def private_compile_cache() -> None:
     atexit.register(shutil.rmtree, path, ignore_errors=True)
 
 
-def _worker(args: dict, wid: int, layers: list[str], todo: list[str], threads: int, queue) -> None:
-    """A worker process: runs its layers and reports ("work", wid, units, doing) for each unit
-    of work, then ("end", wid, 0, ""). It ends with the bench process that started it."""
+def _worker(args: dict, wid: int, jobs, threads: int, queue) -> None:
+    """A worker process: runs jobs from the `jobs` queue until it holds None, reporting
+    ("work", wid, units, doing) for each unit of work, then ("end", wid, 0, ""). It ends with
+    the bench process that started it. Its compile cache is the run's (the environment's)."""
     import torch
 
     exit_with(args["parent"])
-    private_compile_cache()
-
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
     p = load_preset(args["preset"])
     rec = Recorder(args["out"], p.name, args["seed"], run_id=args["run_id"])
     ctx = Context(p, args["seed"], rec, Path(args["work_dir"]), args["device"], progress=False,
                   on_work=lambda units, doing: queue.put(("work", wid, units, doing)), resume=args["resume"])
-    _work(ctx, layers, todo)
+    for job in iter(jobs.get, None):
+        job.run(ctx)
     queue.put(("end", wid, 0, ""))
 
 
@@ -172,35 +195,40 @@ def run_bench(
         p.settings(mod.NAME, mod.Settings)
     cores = os.cpu_count() or 1
     jobs = jobs or (1 if device != "cpu" else cores)
-    groups = share_out(names, max(1, min(jobs, len(names))))
     rec = Recorder(ensure_writable_dir(out), p.name, seed)
     work_dir = ensure_writable_dir(work_dir or Path("runs") / "bench" / p.name)
     ctx = Context(p, seed, rec, work_dir, device, progress, resume=resume)
     total = work_units(ctx, names, todo)
-    print(f"memzoo bench: preset {p.name}, seed {seed}, layers {', '.join(names)}, suites {', '.join(todo)}"
-          + (f", {len(groups)} workers: " + " | ".join(",".join(g) for g in groups) if len(groups) > 1 else "")
+    queued = plan(ctx, names, todo)
+    workers = max(1, min(jobs, len(queued)))
+    print(f"memzoo bench: preset {p.name}, seed {seed}, layers {', '.join(names)}, suites {', '.join(todo)}; "
+          f"{len(queued)} jobs" + (f" for {workers} workers" if workers > 1 else "")
           + f"; {total} units of work (training steps, evaluated cells, measured models)")
     t0 = time.time()
     bar = tqdm(total=total, desc="bench", unit="unit", smoothing=0, dynamic_ncols=True, disable=not progress)
-    doing = [""] * len(groups)
+    doing = [""] * workers
 
     def show(wid: int, units: int, what: str) -> None:
         doing[wid] = what
-        bar.set_postfix_str(" | ".join(f"{i + 1}: {d}" if len(groups) > 1 else d for i, d in enumerate(doing)),
+        bar.set_postfix_str(" | ".join(f"{i + 1}: {d}" if workers > 1 else d for i, d in enumerate(doing)),
                             refresh=False)
         bar.update(units)
 
-    if len(groups) == 1:
-        private_compile_cache()
+    private_compile_cache()
+    if workers == 1:
         ctx.on_work = lambda units, what: show(0, units, what)
-        _work(ctx, names, todo)
+        for job in queued:
+            job.run(ctx)
     else:
         mpc = mp.get_context("spawn")
         queue = mpc.Queue()
         args = {"preset": p.source, "seed": seed, "out": str(out), "work_dir": str(work_dir), "device": device,
                 "run_id": rec.run_id, "resume": resume, "parent": os.getpid()}
-        threads = max(1, cores // len(groups))
-        procs = [mpc.Process(target=_worker, args=(args, i, g, todo, threads, queue)) for i, g in enumerate(groups)]
+        jobq = mpc.Queue()
+        for job in [*queued, *[None] * workers]:  # a None per worker: the end
+            jobq.put(job)
+        threads = max(1, cores // workers)
+        procs = [mpc.Process(target=_worker, args=(args, i, jobq, threads, queue)) for i in range(workers)]
         for proc in procs:
             proc.start()
         ended = 0

@@ -232,13 +232,22 @@ def test_inspect_prints_gates_and_trace(micro, tmp_path):
     json.dumps(out)
 
 
-def test_share_out_balances_layers():
-    from memzoo.bench.run import share_out
+def test_plan_queues_the_baselines_jobs_first_then_the_costliest(micro, tmp_path):
+    from memzoo.bench.run import plan
 
-    groups = share_out(["baseline", "fwpkm", "mom", "lact"], 2)
-    assert sorted(sum(groups, [])) == ["baseline", "fwpkm", "lact", "mom"] and len(groups) == 2
-    assert share_out(["baseline"], 2) == [["baseline"]]
-    assert any(g[0] == "baseline" for g in share_out(["fwpkm", "mom", "baseline", "lact", "ba", "fwl"], 2))  # first
+    ctx = Context(load_preset(micro), 0, Recorder(tmp_path, "micro", 0), tmp_path / "work", progress=False)
+    jobs = plan(ctx, ["baseline", "fwpkm", "mom"], ["toys", "ppl", "niah"])
+    toy = [j for j in jobs if j.suites == ("toys",)]
+    assert all(j.part is not None for j in toy) and len({j.part for j in toy}) == len(toy)  # one job per cell
+    assert {j.part[0] for j in toy if j.layer == "baseline"} == {"baseline", "ctrl:attention", "ctrl:none"}
+    lm = [j for j in jobs if j.part is None]  # a layer's LM suites stay one job: ppl then niah (one LM)
+    assert sorted(j.layer for j in lm) == ["baseline", "fwpkm", "mom"] and {j.suites for j in lm} == {("ppl", "niah")}
+    first = [j.layer == "baseline" for j in jobs]
+    assert first == sorted(first, reverse=True)  # the baseline's jobs (and the controls) before any other
+    rest = [j.cost for j in jobs if j.layer != "baseline"]
+    assert rest == sorted(rest, reverse=True)
+    mom, fwpkm = ({j.part[1:]: j.cost for j in toy if j.layer == n} for n in ("mom", "fwpkm"))
+    assert all(mom[k] > fwpkm[k] for k in mom)  # MoM's bench_cost (2.0) over FwPKM's (1.6)
 
 
 def test_workers_measure_what_one_process_measures(micro, tmp_path):

@@ -120,6 +120,28 @@ def test_layer_matches_naive_loop(over, dtype):
         torch.testing.assert_close(s[k], s_ref[k], **TOL[dtype], msg=lambda m, k=k: f"state[{k!r}]: {m}")
 
 
+def test_compiled_path_pads_every_memory_to_the_sequence_and_agrees(monkeypatch):
+    """Under torch.compile every memory's routed subsequence is padded to T (a static shape), not
+    to the busiest memory's count: the naive loop's outputs and states still come out. The path
+    is taken here in eager mode, by answering is_compiling() with True (a compile takes minutes)."""
+    layer = make()
+    layer.parallel_chunk = 5
+    x = rand_x(2, 19, dtype=torch.float64)
+    s0 = random_state(layer, 2)
+    lengths = []
+    real = layer._run.__func__.__globals__["gated_delta_rule"]
+    monkeypatch.setitem(layer._run.__func__.__globals__, "gated_delta_rule",
+                        lambda q, *a, **kw: lengths.append(q.shape[1]) or real(q, *a, **kw))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with torch.no_grad():
+        y, s = layer.forward_state(x, {k: v.clone() for k, v in s0.items()})
+    y_ref, s_ref = naive(layer, x, s0)
+    assert lengths == [19, 19]  # the routed memories (padded to T) and the shared one
+    torch.testing.assert_close(y, y_ref, **TOL[torch.float64])
+    for k in s:
+        torch.testing.assert_close(s[k], s_ref[k], **TOL[torch.float64])
+
+
 def test_unrouted_memories_stay_unchanged():
     layer = make()
     x = rand_x(1, 1)

@@ -233,6 +233,14 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     assert [r["run_id"] for r in again] == ["test"] * len(rows)
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(rows)
 
+    # a part (one cell, as a bench worker takes it) measures what the whole run measured there
+    parts = toys.parts(ctx, "fwpkm")
+    assert [p for p, _ in parts] == [("fwpkm", t, w, s) for t in ("mqar", "ar") for w in (16, 24) for s in (0, 1)]
+    assert parts[0][1] > parts[-1][1] > 0  # a cell's cost: MQAR's sequences are longer than AR's
+    alone = toys.run(_ctx(tmp_path / "part"), ["fwpkm"], only=[parts[-1][0]])
+    same = [r for r in rows if r["layer"] == "fwpkm" and r["setting"] == alone[0]["setting"] and r["seed"] == 1]
+    assert len(alone) == 1 and alone[0]["metrics"]["accuracy"] == same[0]["metrics"]["accuracy"]
+
     df = pd.json_normalize([{k: v for k, v in r.items() if k != "config"} for r in saved])
     tabs = toys.tables(df)  # 6 steps cannot solve anything: both tasks' harness is invalid
     titles = list(tabs)

@@ -9,8 +9,11 @@ Each suite is a module here with
     work(ctx, layer)          the units of work `run` does for one layer, for the progress bar
     tables(df), figures(df, out_dir)     the leaderboard's tables and figures of its rows
 
-and optionally ``EXPLANATION`` (a note under its leaderboard section) and ``USES_LM`` (it
-evaluates the shared language model of :mod:`memzoo.bench.lm`, trained once per layer).
+and optionally ``EXPLANATION`` (a note under its leaderboard section), ``USES_LM`` (it
+evaluates the shared language model of :mod:`memzoo.bench.lm`, trained once per layer) and
+``parts(ctx, layer)`` (its run for one layer cut into independent parts, each with a relative
+cost, that ``run(ctx, [layer], only=[part])`` measures alone: the toys' cells, which
+`memzoo bench` hands to whichever worker is free).
 """
 
 from __future__ import annotations

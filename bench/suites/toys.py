@@ -477,6 +477,11 @@ class Task:
     """Training batches (a pure function of the generator), and the validation and test sets of
     each slice (kv count or pairs), from generators of their own."""
 
+    @staticmethod
+    def mean_length(name: str, s: Settings) -> float:
+        """Tokens per training sequence, on average over the steps."""
+        return s.mqar_seq_len if name == "mqar" else sum(2 * n + 3 for n in s.ar_pairs) / len(s.ar_pairs)
+
     def __init__(self, name: str, s: Settings):
         self.name, self.s = name, s
         self.vocab = s.mqar_vocab if name == "mqar" else ar.VOCAB_SIZE
@@ -624,27 +629,48 @@ def work(ctx: Context, layer: str) -> int:
     return sum(per * len(s.candidates(m)) for m in cells(layer, s))
 
 
-def run(ctx: Context, layers: list[str]) -> list[dict]:
-    """Train and evaluate every (layer, task, width, seed); one row each. With `ctx.resume`, a
-    cell already recorded with the same config and seed is skipped (its row is returned)."""
+def _plan(ctx: Context, layers: list[str]):
+    """Every cell of `layers` in run order: (model name, task, width, seed)."""
     s = ctx.preset.settings(NAME, Settings)
-    s.check()
-    tasks = {t: Task(t, s) for t in s.tasks}
-    rows = []
     for layer in layers:
         for name in cells(layer, s):
-            for tname, task in tasks.items():
+            for tname in s.tasks:
                 for width in s.widths:
-                    mc = toy_config(ctx.preset, name, width, task.vocab, s)
-                    config = cell_config(mc, task, s, name)
-                    setting = {"task": tname, "d_model": width}
                     for seed in range(ctx.seed, ctx.seed + s.seeds):
-                        done = ctx.recorded(NAME, name, setting, config, seed)
-                        if done is not None:
-                            rows.append(done)
-                            ctx.advance(s.max_steps * len(s.candidates(name)), f"toys {name} (recorded)")
-                            continue
-                        rows.append(_cell(ctx, name, task, width, mc, config, setting, s, seed))
+                        yield name, tname, width, seed
+
+
+def parts(ctx: Context, layer: str) -> list[tuple[tuple, float]]:
+    """The cells of one layer's run, each a part that `run(ctx, [layer], only=[part])` measures alone
+    (`memzoo bench` hands them to whichever worker is free), with its relative cost: the training
+    tokens at the cap (a step's batch times the task's mean length), in steps of MQAR's batch."""
+    s = ctx.preset.settings(NAME, Settings)
+    tokens = {t: Task.mean_length(t, s) for t in s.tasks}
+    return [(cell, s.max_steps * len(s.candidates(cell[0])) * tokens[cell[1]] / s.mqar_seq_len)
+            for cell in _plan(ctx, [layer])]
+
+
+def run(ctx: Context, layers: list[str], only: list[tuple] | None = None) -> list[dict]:
+    """Train and evaluate every (layer, task, width, seed), or only the cells in `only`; one row
+    each. With `ctx.resume`, a cell already recorded with the same config and seed is skipped
+    (its row is returned)."""
+    s = ctx.preset.settings(NAME, Settings)
+    s.check()
+    tasks: dict[str, Task] = {}
+    rows = []
+    for name, tname, width, seed in _plan(ctx, layers):
+        if only is not None and (name, tname, width, seed) not in only:
+            continue
+        task = tasks.get(tname) or tasks.setdefault(tname, Task(tname, s))
+        mc = toy_config(ctx.preset, name, width, task.vocab, s)
+        config = cell_config(mc, task, s, name)
+        setting = {"task": tname, "d_model": width}
+        done = ctx.recorded(NAME, name, setting, config, seed)
+        if done is not None:
+            rows.append(done)
+            ctx.advance(s.max_steps * len(s.candidates(name)), f"toys {name} (recorded)")
+            continue
+        rows.append(_cell(ctx, name, task, width, mc, config, setting, s, seed))
     return rows
 
 

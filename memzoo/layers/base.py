@@ -119,6 +119,7 @@ class MemoryLayer(nn.Module):
             raise ValueError(f"d_model must be >= 1, got {d_model}")
         self.d_model = d_model
         self._batch_size = 1
+        self._held = None  # an instance attribute from the start: torch.compile guards on where it lives
 
     # Where the state lives. Per-sequence state is a plain attribute. Shared persistent state
     # (per_sequence=False) lives in buffers named fast_<key>: it moves with .to(), and it is

@@ -329,7 +329,9 @@ class MoM(MemoryLayer):
         # gather: the tokens routed to memory m, in time order (stable sort), right-padded to L
         order = torch.argsort((~routed).to(torch.uint8), dim=1, stable=True)  # [B, T, M]
         counts = routed.sum(1)  # [B, M]
-        L = int(counts.max()) if T > 0 else 0
+        # eager: pad to the busiest memory's count; compiled: to T, a static shape (the count is
+        # data-dependent: a graph break and a recompilation at every new value). Same function.
+        L = T if torch.compiler.is_compiling() or T == 0 else int(counts.max())
         pos = order[:, :L].transpose(1, 2)  # [B, M, L] positions (distinct per memory)
         valid = torch.arange(L, device=x.device) < counts[..., None]  # [B, M, L]
         bidx = torch.arange(B, device=x.device)[:, None, None]
@@ -380,9 +382,8 @@ class MoM(MemoryLayer):
             new["S_shared"] = S_s.to(dt)
             if with_output:
                 out = out + o_s.to(dt)
-        with torch.no_grad():
-            if T > 0:
-                self._last_usage = routed.float().mean(dim=(0, 1)).cpu()
+        if T > 0:  # kept on the device: a copy to the host would stop a compiled graph (and sync CUDA)
+            self._last_usage = routed.detach().float().mean(dim=(0, 1))
         return out, new
 
     def write_state(self, x: Tensor, state: State) -> State:
