@@ -81,9 +81,10 @@ def plan(ctx: Context, layers: list[str], todo: list[str]) -> list[Job]:
     """Every job of a run, in the order the workers take them from one queue: the baseline's
     first, so that a run cut short holds the reference rows (and the toys' controls, which run
     with it); then the others costliest first, so that the last jobs taken, the short ones,
-    even out when the workers finish (a static share of layers per worker left one of two
-    workers idle for the last ~40 minutes of the standard toys). A job's cost is its units of
-    work (a suite's parts say their own) times its layer's `bench_cost`."""
+    even out when the workers finish (a static share of layers per worker gave the two
+    workers of the standard toys 3.25 and 3.87 hours of the recorded cells' wall time). A
+    job's cost is its units of work (a suite's parts say their own) times its layer's
+    `bench_cost`."""
     jobs = []
     for layer in layers:
         whole = []

@@ -330,3 +330,29 @@ def test_a_nan_in_one_sequence_reaches_no_other_sequence_and_no_later_call(per_s
         assert not torch.isfinite(y[0, 10]).all()
         assert all(torch.isfinite(t).all() for t in layer.state.values())
         assert torch.isfinite(layer(rand_x(2, 16, seed=3))).all()
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_hand_written_gradients_are_autograds_first_and_second_order(per_sequence):
+    """swiglu_grads (the write's chain rule, in differentiable ops) against torch.autograd.grad of
+    the same weighted loss, and a gradient *through* it (what grad_through_update trains with)
+    against autograd's create_graph double backward."""
+    from memzoo.layers.fwmlp import swiglu_grads, swiglu
+
+    g = torch.Generator().manual_seed(0)
+    B, N, Din, H, Dout = 2, 5, 3, 4, 3
+    lead = (B,) if per_sequence else ()
+    shapes = {"w_up": (H, Din), "b_up": (H,), "w_gate": (H, Din), "b_gate": (H,), "w_down": (Dout, H), "b_down": (Dout,)}
+    theta = {k: torch.randn(*lead, *s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+    q = torch.randn(B, N, Din, generator=g, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randn(B, N, Dout, generator=g, dtype=torch.float64)
+    c = torch.rand(B, N, generator=g, dtype=torch.float64)
+    theta = {k: v.requires_grad_() for k, v in theta.items()}
+    loss = (c * (swiglu(q, theta) - tgt).pow(2).mean(-1)).sum()
+    ref = torch.autograd.grad(loss, [theta[k] for k in FAST_KEYS], create_graph=True)
+    ours = swiglu_grads(q, tgt, c, theta)
+    for k, a, b in zip(FAST_KEYS, ours, ref):
+        torch.testing.assert_close(a, b, **F64, msg=lambda m, k=k: f"{k}: {m}")
+    r = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in ref]
+    second = lambda grads: torch.autograd.grad(sum((x * y).sum() for x, y in zip(grads, r)), q, retain_graph=True)[0]  # noqa: E731
+    torch.testing.assert_close(second(ours), second(ref), **F64)

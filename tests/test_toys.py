@@ -322,3 +322,25 @@ def test_fwpkm_sharing_experiment_names_its_forms():
     assert set(fwpkm_sharing.FORMS) >= {"gdn", "per_sequence", "shared"}
     with pytest.raises(SystemExit, match="unknown form"):
         fwpkm_sharing.main(["sharde"])
+
+
+def test_rerun_comparison_by_hand():
+    """bench/experiments/reruns.py: means and t-intervals over the seeds both runs hold, identical
+    cells counted, wall time per model and per run id."""
+    from memzoo.bench.experiments.reruns import compare, cost
+
+    def row(seed, acc, steps=100, run="a", wall=10.0, at="2026-11-25T10:00:00Z", h="h1"):
+        return {"suite": "toys", "preset": "standard", "layer": "pkm", "setting": {"task": "mqar", "d_model": 128},
+                "seed": seed, "config_hash": h, "metrics": {"accuracy": acc, "acc_by_kv": {"4": acc}, "steps": steps,
+                                                            "stop": "solved"}, "run_id": run, "wall_s": wall, "time": at}
+
+    published = [row(0, 0.5), row(1, 0.6), row(2, 0.7), row(2, 0.9, h="other")]  # another config: not compared
+    rerun = [row(0, 0.5), row(1, 0.6, steps=200), row(2, 0.8, run="b", wall=30.0, at="2026-11-25T11:00:00Z")]
+    lines, same = compare(rerun, published)
+    assert len(lines) == 1 and lines[0]["seeds"] == 3
+    (pm, ph), (rm, rh) = lines[0]["published"], lines[0]["rerun"]
+    assert pm == pytest.approx(0.6) and ph == pytest.approx(4.303 * 0.1 / 3**0.5, rel=1e-3)  # t(0.975, 2) = 4.303
+    assert rm == pytest.approx(0.6333, abs=1e-4) and lines[0]["inside"]
+    assert same == {"cells": 3, "same": 1}  # seed 1 took other steps, seed 2 another accuracy
+    per_model, spans = cost(rerun)
+    assert per_model == {"pkm": 50.0} and spans == {"a": (10.0, 2), "b": (30.0, 1)}

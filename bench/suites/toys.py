@@ -261,6 +261,18 @@ published seeds 0-2 (mean ± 95% t half-width):
 All six fresh cells were solved (MQAR in 500-1500 steps, AR in 700-1600). This was the same processor
 as the published rows, so it checks the seed spread, not portability to another CPU.
 
+Portability: the standard toys re-run on another processor (Intel Xeon with AMX bf16; the published
+rows are AMD EPYC), the same configs and seeds, ``memzoo bench --preset standard --layers all --suite
+toys --resume --jobs 2 --out leaderboards/reruns/standard-toys-2026-11-25``, read with
+``python -m memzoo.bench.experiments.reruns leaderboards/reruns/standard-toys-2026-11-25``. The first
+segment (62 min) recorded the baseline, both controls and MoM's MQAR cells (21 rows): 20 of 21 slice
+means lie inside the published 95% intervals (the exception: ctrl:attention at 8 pairs, 0.997 against
+0.998 ± 0.001), but only 8 of the 21 cells came out identical (same test accuracy to 3 decimals,
+steps and stop), the controls among them. The others took other paths: the baseline's MQAR seed 0,
+capped at 2000 steps at 0.900 on EPYC, was solved at 1500 steps (0.993) on the Xeon. Training is
+deterministic on one machine, not across processors (bf16 matmuls round differently), and the
+intervals, not single seeds, are what carries over.
+
 Speed. Toy training runs in bf16 autocast with torch.compile (``precision``, ``compile``; the
 losses of fp32 eager within 0.01 after 40 steps for every layer; evaluation stays fp32 eager),
 GDN chunks of 16 (``model.gdn_chunk``) and FwPKM's faster layer code. Memory layers whose forward
@@ -291,6 +303,28 @@ at 2000 steps still low (mean 0.153), retrained it was solved at 1500 (0.990). T
 same to rounding (the loss curves above), and that is the chaos the seeds measure: whether a seed
 leaves the flat phase within the cap moves with rounding-level changes (its published seeds 1-2
 reached 0.980 and 0.933), which is why the published rows are means with intervals over seeds.
+
+The costliest layers of the standard preset (2026-11-25; the published rows' wall times summed
+7.1 thread-hours: MoM 1.39, FwMLP/clip 1.03, FWL 0.92, Ba 0.86). Measured on an Intel Xeon, one
+thread a process, before and after in one run:
+
+- MoM, compiled, padded its memories' token lists to the busiest memory's count: a data-dependent
+  size, so a recompilation at every new value until dynamo's limit (8), then eager. Compiled it
+  now pads to T (the same function: ``test_compiled_path_pads_every_memory_to_the_sequence_and_agrees``).
+  Its three standard MQAR cells, re-run on the Xeon: 7.2-7.3k tokens/s and 2,124 thread-seconds,
+  against 3.9-5.2k and 3,160 in the published rows (EPYC: indicative only).
+- FWL ran its whole forward eager, because one part (the gradient of the head's loss with
+  ``create_graph``) cannot be compiled; now only that part is eager: the MQAR step 2,783 -> 4,776
+  tokens/s (1.72x), AR 2,883 -> 3,942 (1.37x). In fp32 the compiled and eager models' gradients
+  agree within 1e-4 (relative); in bf16 the first losses agree to 0.001.
+- FwMLP's write takes its gradient by hand (``swiglu_grads``, tested against autograd to first and
+  second order) instead of ``autograd.grad``, so the layer compiles whole: fwmlp/clip's MQAR step
+  7,522 -> 9,364 tokens/s (1.24x), the first losses within 0.0013.
+- Every memory model compiled twice: an attribute (``_held``) that appeared after the first
+  forward changed a guard. It is set in ``MemoryLayer.__init__`` now.
+- ``memzoo bench`` gives each toy cell to whichever worker is free (the static share of layers
+  per worker it replaces gave its two workers 3.25 and 3.87 hours of the recorded cells), and its
+  workers share one compile cache.
 """
 
 from __future__ import annotations

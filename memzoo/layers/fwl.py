@@ -195,9 +195,12 @@ class FWL(MemoryLayer):
         # ∇b_t = g_z_t, ∇g_t = g_o_t ⊙ ẑ_t, ∇β_t = g_o_t
         return {"x": x, "r": r, "g_pre": g_pre, "g_z": g_z, "g_g": g_o * zhat, "g_beta": g_o}
 
+    @torch.compiler.disable  # eager inside a compiled model: a compiled graph cannot take a gradient with create_graph
     def _output_grad(self, o: Tensor, targets: Tensor, head: Head | None) -> Tensor:
         """∇_{o_t} Σ_t CE(head(o)_t, targets_t) = ∇_{o_t} L_t (the head is position-wise).
-        Differentiable (create_graph) when autograd records; works under torch.no_grad too."""
+        Differentiable (create_graph) when autograd records; works under torch.no_grad too.
+        The rest of the layer compiles around it (the outer backward runs through this eager
+        gradient's graph once, and through the compiled graphs before and after it once)."""
         if torch.is_inference_mode_enabled():
             raise RuntimeError("FWL computes gradients in its forward; use torch.no_grad(), not torch.inference_mode()")
         record = torch.is_grad_enabled() and o.requires_grad
@@ -300,7 +303,6 @@ class FWL(MemoryLayer):
             state = self._accumulate(state, sc, gamma)
         return state
 
-    @torch.compiler.disable  # eager inside a compiled model: compiled autograd has no double backward (create_graph)
     def forward_state(
         self, x: Tensor, state: State, targets: Tensor | None = None, head: Head | None = None
     ) -> tuple[Tensor, State]:

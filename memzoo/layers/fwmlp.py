@@ -63,9 +63,11 @@ queries and targets and the new fast weights carry no autograd graph; the slow w
 through the read only. With ``grad_through_update=True`` the update is differentiated
 (``create_graph``) whenever autograd is recording, so the LM loss also reaches the q/v
 projections through every write of the current sequence: the authors' release in training
-(``create_graph=self.training``). Either way the gradient is taken with
-``torch.autograd.grad`` inside ``torch.enable_grad()``, so writes also work under
-``torch.no_grad()`` (evaluation with memory updates).
+(``create_graph=self.training``). Either way the gradient is the chain rule through f written
+out (``swiglu_grads``: what ``torch.autograd.grad`` gives, tested against it) in differentiable
+ops, so the differentiated update needs no ``create_graph``, writes also work under
+``torch.no_grad()`` (evaluation with memory updates), and a compiled model traces the layer
+whole (an ``autograd.grad`` inside it broke the graph at every chunk).
 
 Write strength. With App. A's averaged loss and η = 0.1, one write moves f(q_t) only a small
 step toward its target: at initial slow weights it removes ~0.7% of the memorisation MSE at
@@ -126,6 +128,27 @@ def swiglu(q: Tensor, st: State) -> Tensor:
     """f(q; θ) = W_down (silu(W_gate q + b_gate) ⊙ (W_up q + b_up)) + b_down."""
     h = F.silu(_linear(q, st["w_gate"], st["b_gate"])) * _linear(q, st["w_up"], st["b_up"])
     return _linear(h, st["w_down"], st["b_down"])
+
+
+def swiglu_grads(q: Tensor, tgt: Tensor, c: Tensor, st: State) -> list[Tensor]:
+    """∇_θ Σ_{b,n} c_bn · mean_d (f(q_bn; θ) - tgt_bn)², in FAST_KEYS order, by the chain rule:
+
+        a = W_gate q + b_gate,  u = W_up q + b_up,  h = silu(a) ⊙ u,  y = W_down h + b_down
+        ∂y = (2/D_out) c (y - tgt),  ∂h = W_downᵀ ∂y,  ∂u = ∂h ⊙ silu(a),
+        ∂a = ∂h ⊙ u ⊙ σ(a) (1 + a (1 - σ(a)))                       (silu'(a))
+        ∇W = Σ_n ∂(out)_n ⊗ (in)_n,  ∇b = Σ_n ∂(out)_n            per sequence, or over the batch (shared θ)
+    """
+    a, u = _linear(q, st["w_gate"], st["b_gate"]), _linear(q, st["w_up"], st["b_up"])
+    sig = torch.sigmoid(a)
+    act = a * sig
+    h = act * u
+    dy = (_linear(h, st["w_down"], st["b_down"]) - tgt) * (2.0 / tgt.shape[-1]) * c[..., None]
+    dh = dy @ st["w_down"]
+    du, da = dh * act, dh * u * sig * (1 + a * (1 - sig))
+    shared = st["w_up"].dim() == 2
+    outer = lambda d, x: torch.einsum("bno,bni->oi" if shared else "bno,bni->boi", d, x)  # noqa: E731
+    total = lambda d: d.sum((0, 1)) if shared else d.sum(1)  # noqa: E731
+    return [outer(du, q), total(du), outer(da, q), total(da), outer(dy, h), total(dy)]
 
 
 @register_layer("fwmlp")
@@ -280,7 +303,7 @@ class FwMLP(MemoryLayer):
     # ---- write ---------------------------------------------------------------------------
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         q, v, g = self.io.project(x)
-        if g is not None and g.numel():
+        if g is not None and g.numel() and not torch.compiler.is_compiling():  # .item(): a graph break
             self._last_gate = g.detach().float().mean().item()
         return q, v, g
 
@@ -304,29 +327,21 @@ class FwMLP(MemoryLayer):
             q, tgt, w = q.detach(), tgt.detach(), w.detach()
         sdtype = state["w_up"].dtype
         q, tgt, w = q.to(sdtype), tgt.to(sdtype), w.to(sdtype)
-        with torch.enable_grad():
-            theta = {
-                k: p if (differentiable and p.requires_grad) else p.detach().requires_grad_()
-                for k, p in state.items()
-            }
-            err = (swiglu(q, theta) - tgt).pow(2).mean(-1)  # [B, N]: mean over features
-            if self.gate_weighted_loss:
-                err = err * w
-            # mean over samples: the chunk's pairs (shared), or each sequence's own (per-sequence,
-            # summed so that every sequence's fast weights get the gradient of its own mean)
-            err = err.where(keep > 0, 0)
-            if self.per_sequence:
-                loss = (err.sum(1) / keep.sum(1).clamp(min=1)).sum()
-            else:
-                loss = err.sum() / keep.sum().clamp(min=1)
-            grads = torch.autograd.grad(loss, [theta[k] for k in FAST_KEYS], create_graph=differentiable)
+        theta = state if differentiable else {k: p.detach() for k, p in state.items()}
+        # each pair's weight in the loss: its gate (gate-weighted) over the number of pairs in the
+        # mean, the chunk's (shared), or its sequence's (per sequence: every sequence's fast
+        # weights get the gradient of its own mean); pairs with a non-finite token weigh 0
+        c = torch.where(keep > 0, w if self.gate_weighted_loss else torch.ones_like(w), 0)
+        c = c / (keep.sum(1, keepdim=True) if self.per_sequence else keep.sum()).clamp(min=1)
+        grads = swiglu_grads(q, tgt, c, theta)
         if self.grad_clip:  # the release's FastWeightMLP: each gradient entry clamped to [-1, 1]
             grads = [g.clamp(-1.0, 1.0) for g in grads]
         new = {}
         for k, gr in zip(FAST_KEYS, grads):
             p = state[k] if differentiable else state[k].detach()
             new[k] = p - self.lr * gr
-        self._last_write = (q.detach(), tgt.detach(), {k: t.detach() for k, t in state.items()}, new)
+        if not torch.compiler.is_compiling():  # diagnostics stay out of compiled graphs
+            self._last_write = (q.detach(), tgt.detach(), {k: t.detach() for k, t in state.items()}, new)
         return new
 
     def write_state(self, x: Tensor, state: State) -> State:

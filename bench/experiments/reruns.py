@@ -1,0 +1,105 @@
+"""A rerun of toy cells beside the published rows: does it reproduce them, and what did it cost?
+
+    python -m memzoo.bench.experiments.reruns leaderboards/reruns/standard-toys-2026-11-25
+    python -m memzoo.bench.experiments.reruns RERUN_DIR --published leaderboards/results.jsonl
+
+A rerun is ``memzoo bench --suite toys --out RERUN_DIR`` (with ``--resume``, continued after a
+kill): the same preset, configs and seeds as published, measured again, e.g. on another processor
+or with faster code. For every (model, task) whose seeds the rerun holds, each slice's published
+mean ± 95% t half-width beside the rerun's, and whether the rerun's mean lies inside the published
+interval; then seed by seed how many cells came out the same (test accuracy to 3 decimals, steps
+and stop). Only rows with the published row's config hash are compared (the tables' rule: the
+latest row per setting and seed).
+
+Then what the rerun cost: per model, its cells' summed wall time (thread-hours: each worker has
+one thread), and per run id (a resumed run has several) its span, from the start of its first cell
+(a row's time less its wall time) to its last row. A killed segment also spent the time from its
+last row to the kill on a cell it did not finish, which no row records: the spans are lower bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from datetime import datetime
+from pathlib import Path
+
+from memzoo.bench.common import RESULTS, layer_order, mean_ci, read_results
+
+
+def _key(r: dict) -> tuple:
+    return r["preset"], r["layer"], r["setting"]["task"], r["setting"]["d_model"], r["seed"], r["config_hash"]
+
+
+def latest(rows: list[dict]) -> dict[tuple, dict]:
+    """The latest toys row per (preset, layer, task, width, seed, config hash)."""
+    out = {}
+    for r in rows:
+        if r["suite"] == "toys":
+            out[_key(r)] = r
+    return out
+
+
+def compare(rerun: list[dict], published: list[dict]) -> tuple[list[dict], dict]:
+    """(one dict per (model, task, width, slice): published and rerun mean ± half-width and
+    whether the rerun mean is inside, over the seeds both hold; counts of identical cells)."""
+    new, old = latest(rerun), latest(published)
+    cells = defaultdict(list)  # (preset, layer, task, width) -> [(old row, new row)] per seed
+    for k, r in new.items():
+        if k in old:
+            cells[k[:4]].append((old[k], r))
+    lines, same = [], {"cells": 0, "same": 0}
+    order = layer_order(k[1] for k in cells)
+    for (preset, layer, task, width), pairs in sorted(cells.items(), key=lambda kv: (order.index(kv[0][1]), kv[0])):
+        for o, n in pairs:
+            same["cells"] += 1
+            same["same"] += (round(o["metrics"]["accuracy"], 3) == round(n["metrics"]["accuracy"], 3)
+                             and o["metrics"]["steps"] == n["metrics"]["steps"] and o["metrics"]["stop"] == n["metrics"]["stop"])
+        for s in sorted(pairs[0][0]["metrics"]["acc_by_kv"], key=float):
+            pm, ph = mean_ci([o["metrics"]["acc_by_kv"][s] for o, _ in pairs])
+            rm, rh = mean_ci([n["metrics"]["acc_by_kv"][s] for _, n in pairs])
+            lines.append({"layer": layer, "task": task, "width": width, "slice": s, "seeds": len(pairs),
+                          "published": (pm, ph), "rerun": (rm, rh), "inside": pm - ph - 1e-9 <= rm <= pm + ph + 1e-9})
+    return lines, same
+
+
+def cost(rerun: list[dict]) -> tuple[dict[str, float], dict[str, tuple[float, int]]]:
+    """(thread-seconds per model; (span in seconds, rows) per run id)."""
+    per_model, spans = defaultdict(float), defaultdict(list)
+    for r in rerun:
+        per_model[r["layer"]] += r["wall_s"]
+        end = datetime.strptime(r["time"], "%Y-%m-%dT%H:%M:%SZ").timestamp()
+        spans[r["run_id"]].append((end - r["wall_s"], end))
+    return dict(per_model), {rid: (max(e for _, e in v) - min(s for s, _ in v), len(v)) for rid, v in spans.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("rerun", type=Path, help="the rerun's --out directory (or its results.jsonl)")
+    p.add_argument("--published", type=Path, default=Path("leaderboards") / RESULTS)
+    a = p.parse_args(argv)
+    path = a.rerun / RESULTS if a.rerun.is_dir() else a.rerun
+    rerun = [r for r in read_results(path) if r["suite"] == "toys"]
+    if not rerun:
+        raise SystemExit(f"no toys rows in {path}")
+    lines, same = compare(rerun, read_results(a.published))
+    hw = sorted({r["hardware"]["cpu"] for r in rerun})
+    print(f"{len(rerun)} rerun rows ({', '.join(hw)}) against {a.published}\n")
+    print(f"{'model':15} {'task':5} {'slice':>5}  {'published':>15}  {'rerun':>15}  seeds  inside")
+    for ln in lines:
+        (pm, ph), (rm, rh) = ln["published"], ln["rerun"]
+        print(f"{ln['layer']:15} {ln['task']:5} {ln['slice']:>5}  {pm:.3f} ± {ph:.3f}    {rm:.3f} ± {rh:.3f}    "
+              f"{ln['seeds']:>5}  {'yes' if ln['inside'] else 'NO'}")
+    inside = sum(ln["inside"] for ln in lines)
+    print(f"\nrerun means inside the published interval: {inside} of {len(lines)} slices; cells identical "
+          f"(test accuracy to 3 decimals, steps, stop): {same['same']} of {same['cells']}")
+    per_model, spans = cost(rerun)
+    print("\nthread-hours per model: " + ", ".join(f"{m} {s / 3600:.2f}" for m, s in
+                                                  sorted(per_model.items(), key=lambda kv: -kv[1])))
+    print(f"in all {sum(per_model.values()) / 3600:.2f} thread-hours")
+    for rid, (span, n) in sorted(spans.items()):
+        print(f"run {rid}: {n} rows in {span / 3600:.2f} h (first cell's start to last row; a lower bound)")
+
+
+if __name__ == "__main__":
+    main()
