@@ -695,7 +695,9 @@ def run(ctx: Context, layers: list[str], only: list[tuple] | None = None) -> lis
     for name, tname, width, seed in _plan(ctx, layers):
         if only is not None and (name, tname, width, seed) not in only:
             continue
-        task = tasks.get(tname) or tasks.setdefault(tname, Task(tname, s))
+        if tname not in tasks:  # built on first use: its validation and test sets take a moment
+            tasks[tname] = Task(tname, s)
+        task = tasks[tname]
         mc = toy_config(ctx.preset, name, width, task.vocab, s)
         config = cell_config(mc, task, s, name)
         setting = {"task": tname, "d_model": width}
