@@ -232,10 +232,12 @@ def test_inspect_prints_gates_and_trace(micro, tmp_path):
     json.dumps(out)
 
 
-def test_plan_queues_the_baselines_jobs_first_then_the_costliest(micro, tmp_path):
+def test_plan_queues_the_baselines_jobs_first_then_each_groups_first_then_the_costliest(micro, tmp_path):
     from memzoo.bench.run import plan
 
-    ctx = Context(load_preset(micro), 0, Recorder(tmp_path, "micro", 0), tmp_path / "work", progress=False)
+    two = tmp_path / "two.yaml"  # two seeds: every toy cell has a second in its group
+    two.write_text(yaml.safe_dump({**MICRO, "toys": {"seeds": 2}}))
+    ctx = Context(load_preset(two), 0, Recorder(tmp_path, "micro", 0), tmp_path / "work", progress=False)
     jobs = plan(ctx, ["baseline", "fwpkm", "mom"], ["toys", "ppl", "niah"])
     toy = [j for j in jobs if j.suites == ("toys",)]
     assert all(j.part is not None for j in toy) and len({j.part for j in toy}) == len(toy)  # one job per cell
@@ -244,8 +246,14 @@ def test_plan_queues_the_baselines_jobs_first_then_the_costliest(micro, tmp_path
     assert sorted(j.layer for j in lm) == ["baseline", "fwpkm", "mom"] and {j.suites for j in lm} == {("ppl", "niah")}
     first = [j.layer == "baseline" for j in jobs]
     assert first == sorted(first, reverse=True)  # the baseline's jobs (and the controls) before any other
-    rest = [j.cost for j in jobs if j.layer != "baseline"]
-    assert rest == sorted(rest, reverse=True)
+    # the first cell of every (model, task, width) before the second of any, each costliest first
+    for base in (True, False):
+        mine = [j for j in jobs if (j.layer == "baseline") == base]
+        later = [i for i, j in enumerate(mine) if j.group is not None and j.group in {k.group for k in mine[:i]}]
+        assert later == list(range(len(mine) - len(later), len(mine))) and len(later) > 0
+        for part in (mine[: len(mine) - len(later)], mine[len(mine) - len(later):]):
+            assert [j.cost for j in part] == sorted((j.cost for j in part), reverse=True)
+    assert all(j.group == j.part[:3] for j in toy)
     mom, fwpkm = ({j.part[1:]: j.cost for j in toy if j.layer == n} for n in ("mom", "fwpkm"))
     assert all(mom[k] > fwpkm[k] for k in mom)  # MoM's bench_cost (2.0) over FwPKM's (1.6)
 

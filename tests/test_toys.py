@@ -159,6 +159,19 @@ def test_toy_config_places_the_layer_and_merges_options():
     assert (neg.layout, neg.memory) == ("NONE", {})
 
 
+def test_fwl_keeps_a_segment_longer_than_the_toy_sequences():
+    """The chunk-level layers get chunks of four pairs; FWL, which reads the earlier positions of
+    its own chunk (Eq. 2), keeps a chunk that holds a whole toy sequence (one segment)."""
+    default = toys.Settings().layer_options
+    assert default["lact"] == {"chunk_size": 8} and "fwl" not in default
+    for name in ("tiny", "standard", "paper"):
+        preset = load_preset(name)
+        s = preset.settings(toys.NAME, toys.Settings)
+        assert s.layer_options["lact"]["chunk_size"] == 8
+        longest = max(s.mqar_seq_len, 2 * max(s.ar_pairs) + 3)
+        assert toys.toy_config(preset, "fwl", s.widths[0], 64, s).memory["fwl"]["chunk_size"] >= longest, name
+
+
 def test_toy_config_keeps_a_set_gdn_head_size():
     """The backbone's head size scales with the width unless `toys.model` sets one (the capacity
     preset's small GDN state: 4 heads of 16 at width 128, 2 x 4 x 16² = 2048 numbers)."""
@@ -235,8 +248,9 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
 
     # a part (one cell, as a bench worker takes it) measures what the whole run measured there
     parts = toys.parts(ctx, "fwpkm")
-    assert [p for p, _ in parts] == [("fwpkm", t, w, s) for t in ("mqar", "ar") for w in (16, 24) for s in (0, 1)]
+    assert [p for p, _, _ in parts] == [("fwpkm", t, w, s) for t in ("mqar", "ar") for w in (16, 24) for s in (0, 1)]
     assert parts[0][1] > parts[-1][1] > 0  # a cell's cost: MQAR's sequences are longer than AR's
+    assert [g for _, _, g in parts] == [("fwpkm", t, w) for t in ("mqar", "ar") for w in (16, 24) for _ in (0, 1)]
     alone = toys.run(_ctx(tmp_path / "part"), ["fwpkm"], only=[parts[-1][0]])
     same = [r for r in rows if r["layer"] == "fwpkm" and r["setting"] == alone[0]["setting"] and r["seed"] == 1]
     assert len(alone) == 1 and alone[0]["metrics"]["accuracy"] == same[0]["metrics"]["accuracy"]

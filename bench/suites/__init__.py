@@ -11,9 +11,10 @@ Each suite is a module here with
 
 and optionally ``EXPLANATION`` (a note under its leaderboard section), ``USES_LM`` (it
 evaluates the shared language model of :mod:`memzoo.bench.lm`, trained once per layer) and
-``parts(ctx, layer)`` (its run for one layer cut into independent parts, each with a relative
-cost, that ``run(ctx, [layer], only=[part])`` measures alone: the toys' cells, which
-`memzoo bench` hands to whichever worker is free).
+``parts(ctx, layer)`` (its run for one layer cut into independent parts that
+``run(ctx, [layer], only=[part])`` measures alone: the toys' cells, which `memzoo bench` hands
+to whichever worker is free; each as ``(part, cost, group)``, with a relative cost and the
+group of parts that compile the same graphs: the same model and shapes, another seed).
 """
 
 from __future__ import annotations

@@ -95,13 +95,18 @@ FwMLP (and the released run's config, ``fwpkm_grad_clip: false``) has no clippin
 publishes both: ``fwmlp`` as the paper gives it, and the variant ``fwmlp/clip``
 (``grad_clip: true``), which trained past that point (MQAR loss below chance by step 400).
 
-Update chunks. A chunk-level layer (FwPKM, FwMLP, LaCT, FWL) reads its memory before it writes
+Update chunks. A chunk-level layer (FwPKM, FwMLP, LaCT) reads its memory before it writes
 the chunk, so with the preset's chunks (32-256 tokens) a toy sequence would be a single chunk and
 no pair of it could ever be recalled from the memory. The presets give them chunks of a few pairs
 (``layer_options``): pairs start at even positions, so with an even chunk a pair never straddles
 two chunks (FwPKM's and FwMLP's lookahead binds a key to the next token inside a chunk), and a
 query reads every pair written in earlier chunks. A query inside its own pair's chunk is left to
-the GDN mixers.
+the GDN mixers. FWL is not such a layer: inside its chunk, position t reads the loss gradients
+of every earlier position (Eq. 2, causal linear attention), and its chunk is Sec. 3's segment,
+after which the carried update decays. It keeps the preset's chunk (256 tokens), so a toy
+sequence is one segment: the paper's plain FWL. With chunks of 8 its earlier pairs decayed every
+8 tokens and each step updated the per-sequence fast weights (2 × 128 × 512 numbers) 8 times,
+3x the layer's time (fwd + bwd, batch 64 × 64 tokens, fp32 eager, 1.40 s against 0.47 s).
 
 Calibration (why the standard preset is 2 layers of width 128, batches of 64). MQAR is learned in
 a sudden transition after a flat phase, and whether a seed gets there within a CPU budget depends
@@ -361,14 +366,19 @@ State: numbers one sequence carries (GDN matrices, the memory's fast weights, at
 cache); a memory shared by the batch (FwPKM as the paper trains it) is counted whole."""
 
 
+#: layers whose `chunk_size` is not a read-then-write chunk: FWL reads the earlier positions of its
+#: own chunk (Eq. 2); its chunk is the segment after which its update decays (module docstring)
+SEGMENTED = ("fwl",)
+
+
 def _short_chunks() -> dict:
     """Update chunks of 8 tokens (four pairs) for every chunk-level read-then-write layer: each
-    registered layer whose constructor takes a `chunk_size` and that does not read its own
-    token's write (not `inclusive`); FwPKM and FwMLP with a memory per sequence."""
+    registered layer whose constructor takes a `chunk_size`, that does not read its own token's
+    write (not `inclusive`) and is not in SEGMENTED; FwPKM and FwMLP with a memory per sequence."""
     from memzoo.registry import get_layer, layer_names
 
-    out = {n: {"chunk_size": 8} for n in layer_names()
-           if "chunk_size" in inspect.signature(get_layer(n)).parameters and not get_layer(n).inclusive}
+    out = {n: {"chunk_size": 8} for n in layer_names() if n not in SEGMENTED
+           and "chunk_size" in inspect.signature(get_layer(n)).parameters and not get_layer(n).inclusive}
     for n in ("fwpkm", "fwmlp"):  # shared by the batch as the paper trains them; a memory per sequence here
         if n in out:
             out[n]["per_sequence"] = True
@@ -674,13 +684,15 @@ def _plan(ctx: Context, layers: list[str]):
                         yield name, tname, width, seed
 
 
-def parts(ctx: Context, layer: str) -> list[tuple[tuple, float]]:
+def parts(ctx: Context, layer: str) -> list[tuple[tuple, float, tuple]]:
     """The cells of one layer's run, each a part that `run(ctx, [layer], only=[part])` measures alone
-    (`memzoo bench` hands them to whichever worker is free), with its relative cost: the training
-    tokens at the cap (a step's batch times the task's mean length), in steps of MQAR's batch."""
+    (`memzoo bench` hands them to whichever worker is free), with its relative cost (the training
+    tokens at the cap, a step's batch times the task's mean length, in steps of MQAR's batch) and
+    its group: the cells of one model, task and width, which differ only in the seed and so
+    compile the same graphs."""
     s = ctx.preset.settings(NAME, Settings)
     tokens = {t: Task.mean_length(t, s) for t in s.tasks}
-    return [(cell, s.max_steps * len(s.candidates(cell[0])) * tokens[cell[1]] / s.mqar_seq_len)
+    return [(cell, s.max_steps * len(s.candidates(cell[0])) * tokens[cell[1]] / s.mqar_seq_len, cell[:3])
             for cell in _plan(ctx, [layer])]
 
 
