@@ -106,7 +106,8 @@ of every earlier position (Eq. 2, causal linear attention), and its chunk is Sec
 after which the carried update decays. It keeps the preset's chunk (256 tokens), so a toy
 sequence is one segment: the paper's plain FWL. With chunks of 8 its earlier pairs decayed every
 8 tokens and each step updated the per-sequence fast weights (2 × 128 × 512 numbers) 8 times,
-3x the layer's time (fwd + bwd, batch 64 × 64 tokens, fp32 eager, 1.40 s against 0.47 s).
+3x the layer's time (forward and backward, batch 64 × 64 tokens, fp32 eager, one thread on an
+Intel Xeon beside a running bench: 1.40 s against 0.47 s).
 
 Calibration (why the standard preset is 2 layers of width 128, batches of 64). MQAR is learned in
 a sudden transition after a flat phase, and whether a seed gets there within a CPU budget depends
