@@ -277,7 +277,13 @@ means lie inside the published 95% intervals (the exception: ctrl:attention at 8
 steps and stop), the controls among them. The others took other paths: the baseline's MQAR seed 0,
 capped at 2000 steps at 0.900 on EPYC, was solved at 1500 steps (0.993) on the Xeon. Training is
 deterministic on one machine, not across processors (bf16 matmuls round differently), and the
-intervals, not single seeds, are what carries over.
+intervals, not single seeds, are what carries over. Two later segments (2026-11-25, codes 0b72ca1
+and d6c00cf) added 21 cells, each layer's first seed of both tasks and FWL's three MQAR seeds:
+42 of the 78 cells in 4.85 thread-hours and 2.66 h of the three segments' spans. Seeds again
+took other paths: Ba's MQAR seed 0, at chance on EPYC (capped), was solved on the Xeon (0.99 at
+1000 steps); FWL with its one segment solved all three MQAR seeds (0.990-0.991 at 600-1800 steps).
+The 36 cells left took 2.65 thread-hours on EPYC, so the whole preset is ~7.5 thread-hours on this
+Xeon: ~3.8 h on two workers, not yet the 3 h the preset is meant for.
 
 Speed. Toy training runs in bf16 autocast with torch.compile (``precision``, ``compile``; the
 losses of fp32 eager within 0.01 after 40 steps for every layer; evaluation stays fp32 eager),
@@ -330,7 +336,14 @@ thread a process, before and after in one run:
   forward changed a guard. It is set in ``MemoryLayer.__init__`` now.
 - ``memzoo bench`` gives each toy cell to whichever worker is free (the static share of layers
   per worker it replaces gave its two workers 3.25 and 3.87 hours of the recorded cells), and its
-  workers share one compile cache.
+  workers share one compile cache. The first seed of every cell goes before the second seed of
+  any: queued side by side, two workers compiled the same graphs at once.
+- FWL keeps its 256-token segment (see "Update chunks"): the layer's forward and backward 3x
+  faster than with chunks of 8. Its rows in the published table are still those of chunks of 8
+  (the rerun of "Portability" replaces them once all six cells have run). Compiled in bf16 with
+  its state update inside the graph, its input gradients came out NaN (the first cell diverged
+  at step 2); the update now runs eager (``test_compiled_bf16_gradients_are_finite_and_agree``),
+  and the first MQAR cell solved in 600 steps (0.991).
 """
 
 from __future__ import annotations
