@@ -339,8 +339,10 @@ thread a process, before and after in one run:
   workers share one compile cache. The first seed of every cell goes before the second seed of
   any: queued side by side, two workers compiled the same graphs at once.
 - FWL keeps its 256-token segment (see "Update chunks"): the layer's forward and backward 3x
-  faster than with chunks of 8. Its rows in the published table are still those of chunks of 8
-  (the rerun of "Portability" replaces them once all six cells have run). Compiled in bf16 with
+  faster than with chunks of 8. Its published rows are the six cells of this config from the
+  rerun of "Portability" (Intel Xeon; all six solved: MQAR 0.990 ± 0.002 in 600-1800 steps, AR
+  0.994 ± 0.001 in 800-1100), which replaced the chunk-8 rows (EPYC: MQAR 0.981 ± 0.047 with one
+  seed capped, AR 0.988 ± 0.006; still in results.jsonl). Compiled in bf16 with
   its state update inside the graph, its input gradients came out NaN (the first cell diverged
   at step 2); the update now runs eager (``test_compiled_bf16_gradients_are_finite_and_agree``),
   and the first MQAR cell solved in 600 steps (0.991).
