@@ -109,6 +109,26 @@ def test_attention_short_convolution_is_causal_and_local():
     assert sum(p.numel() for p in att.convs.parameters()) == (4 * 8 + 2 * 8 + 2 * 8) * 4
 
 
+def test_short_convolution_is_the_grouped_conv1d():
+    """causal_conv (shifted multiply-adds) against torch's depthwise conv1d, the reference, in
+    values and gradients; and a hand-computed example: weights (1, 2, 3) over the inputs
+    (0, 0 | 1, 10, 100) give 3·1, 2·1 + 3·10, 1·1 + 2·10 + 3·100."""
+    import torch.nn.functional as F
+
+    from memzoo.ops.short_conv import causal_conv
+
+    torch.manual_seed(0)
+    xp = torch.randn(2, 3 + 9, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    ref = F.conv1d(xp.transpose(1, 2), w[:, None], groups=5).transpose(1, 2)
+    got = causal_conv(xp, w)
+    torch.testing.assert_close(got, ref)
+    g = torch.randn_like(ref)
+    torch.testing.assert_close(torch.autograd.grad(got, (xp, w), g), torch.autograd.grad(ref, (xp, w), g))
+    hand = causal_conv(torch.tensor([0.0, 0.0, 1.0, 10.0, 100.0])[None, :, None], torch.tensor([[1.0, 2.0, 3.0]]))
+    assert hand.flatten().tolist() == [3.0, 32.0, 321.0]
+
+
 def test_no_mixer_sees_each_token_alone():
     torch.manual_seed(0)
     model = HybridLM.from_layout("NONE", **TINY).eval()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.ops.gated_delta_rule import gated_delta_rule
+from memzoo.ops.short_conv import causal_conv
 
 
 class ShortConv(nn.Module):
@@ -37,8 +38,7 @@ class ShortConv(nn.Module):
         if past is None:
             past = x.new_zeros(x.shape[0], self.size - 1, x.shape[2])
         xp = torch.cat([past, x], dim=1)
-        y = F.conv1d(xp.transpose(1, 2), self.weight, groups=x.shape[2]).transpose(1, 2)
-        return F.silu(y), xp[:, -(self.size - 1) :].detach()
+        return F.silu(causal_conv(xp, self.weight[:, 0])), xp[:, -(self.size - 1) :].detach()
 
 
 class GatedDeltaNet(nn.Module):

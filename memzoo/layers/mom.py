@@ -105,6 +105,7 @@ from torch import Tensor, nn
 
 from memzoo.layers.base import MemoryLayer, State
 from memzoo.ops.gated_delta_rule import gated_delta_rule
+from memzoo.ops.short_conv import causal_conv
 from memzoo.registry import register_layer
 
 
@@ -144,8 +145,10 @@ class MoM(MemoryLayer):
     per_sequence = True
     #: forward writes each token to its memories, then reads them (position t sees its own write)
     inclusive: ClassVar[bool] = True
-    #: chunk length of the gated delta rule's chunked torch path inside forward (any value is exact)
-    parallel_chunk: int = 64
+    #: chunk length of the gated delta rule's chunked torch path inside forward (any value is exact;
+    #: 16 is the fastest on a CPU: one thread, fwd + bwd, 8 × 512 tokens 191 ms against 64's 251, and
+    #: the compiled standard toy step 500 ms against 558)
+    parallel_chunk: int = 16
     bench_cost = 2.0
 
     def __init__(
@@ -258,9 +261,7 @@ class MoM(MemoryLayer):
 
     def _conv(self, u: Tensor, past: Tensor, w: Tensor) -> Tensor:
         """Causal depthwise conv along dim -2: u [..., L, C] with past [..., c-1, C] -> [..., L, C]."""
-        c, L = self.conv_size, u.shape[-2]
-        up = torch.cat([past, u], dim=-2)
-        return sum(up[..., j : j + L, :] * w[:, j] for j in range(c))
+        return causal_conv(torch.cat([past, u], dim=-2), w)
 
     def _kv(self, kp: Tensor, vp: Tensor, ck: Tensor, cv: Tensor) -> tuple[Tensor, Tensor]:
         """Short conv + SiLU (+ L2 on k) of the pre-conv projections; returns k [..., L, H, K], v [..., L, H, V]."""
