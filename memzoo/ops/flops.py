@@ -27,7 +27,9 @@ gets wrong is registered here (:func:`step_flops`):
   chunk/WY form fla's kernels compute) runs on meta; its batched matmuls are counted by
   FlopCounterMode, its triangular solves by the formula registered here;
 - depthwise convolutions' backward (FlopCounterMode ignores `groups` there and overcounts the
-  GDN short convolutions' backward by a factor of the channel count);
+  GDN short convolutions' backward by a factor of the channel count). The short convolutions run
+  as shifted multiply-adds (:mod:`memzoo.ops.short_conv`), which the counter would not see; on
+  meta they run as the grouped conv1d they equal, and are counted as convolutions;
 - sparse gathers and scatters with arithmetic: embedding bags (PKM's weighted value sum and its
   two backward halves), index_add (FwPKM's value write), scatter_add and accumulating index_put
   (backward of gathers, FwPKM's sub-key statistics), the token embedding's backward. A plain
