@@ -346,6 +346,35 @@ thread a process, before and after in one run:
   its state update inside the graph, its input gradients came out NaN (the first cell diverged
   at step 2); the update now runs eager (``test_compiled_bf16_gradients_are_finite_and_agree``),
   and the first MQAR cell solved in 600 steps (0.991).
+- The short convolutions (GDN's q, k and v, the attention control's, MoM's k and v) run as four
+  shifted multiply-adds (:mod:`memzoo.ops.short_conv`, tested against conv1d) that torch.compile
+  fuses with the SiLU, not as a grouped conv1d, whose backward is a slow path of its own on a CPU
+  (6 ms for each [64, 67, 128] convolution, six a step). The baseline's standard MQAR step:
+  334 -> 289 ms (one thread, the two versions alternating in one process beside another busy
+  process; Intel Xeon, Cooper Lake; the losses at step 40: 3.4823 and 3.4832).
+- MoM's delta rule in chunks of 16 instead of 64: its standard MQAR step 558 -> 500 ms.
+
+Where the rest of a step goes (Intel Xeon, Cooper Lake: avx512_bf16, no AMX; 2026-11-26). Matmuls
+are half of the baseline's step, and here they run in bf16 at ~82 GFLOPS against 110-164 in fp32
+(one thread, 4096 x 128 x 384; oneDNN's brg_matmul:avx512_core_bf16): bf16 autocast, chosen on a
+processor where it was faster, costs on this one, but the precision is part of every cell's config
+and stays. Inductor's C++ GEMM templates (max-autotune) did not speed the step (342 against 349 ms).
+A group's first cell compiles cold: 45-120 s per input shape (Ba's task has three: 160 s for the
+baseline, 254 s for MoM, 317 s for LaCT); compiling it with a symbolic length was slower still
+(over 6 min for the baseline; stopped), and g++ at -O1 or -O2 instead of -O3 did not shorten a
+compile (78 and 77 s against 73). Evaluation (fp32 eager, every 100 steps) costs 4-8% of training.
+
+In a whole run the two changes above did not show. A fresh timed run of this code (2026-11-26,
+``--jobs 2``, a new compile cache, nothing else on the cores; ``--out
+leaderboards/reruns/standard-toys-2026-11-26``) recorded the baseline's, the controls' and the
+first MQAR cells of FWL and MoM, 20 cells, in 43 min: 1.26 thread-hours, 0.278 s per step
+(evaluations and compiles included), against 1.20 thread-hours and 0.282 s per step for the
+same 20 cells in the rerun of 2026-11-25 on a Xeon of the same name. Two workers and their
+compiles share the two cores, and a machine lent on another day is not the same machine: a
+13% faster step measured alone is within that spread. On this Xeon the toys' step is also only
+1.33x (GDN) and 1.51x (FwPKM) faster than the fp32 eager step of 279a062 (``bench_toys --before
+279a062``; 2.04x and 2.30x on EPYC): its bf16 matmuls are slower than its fp32 ones. The whole
+preset remains ~7.5 thread-hours here, ~3.8 h on two workers.
 """
 
 from __future__ import annotations
