@@ -5,8 +5,9 @@
 Written as c shifted multiply-adds rather than ``F.conv1d(groups=C)``: the same function (a
 cross-correlation, as conv1d computes), which torch.compile fuses with the SiLU after it into
 one kernel, forward and backward. On a CPU the grouped conv1d's backward is a slow path of its
-own: 6 ms of a GDN toy step's ~400 for each [64, 67, 128] convolution (one thread, Intel Xeon),
-where the fused multiply-adds take about a third of that.
+own: ~6 ms for each [64, 67, 128] convolution of a GDN toy step (six a step, ~400 ms in all; one
+thread, Intel Xeon). Compiled, one such convolution's forward and backward (bf16 autocast, SiLU
+included) took 12.7 ms as conv1d and 8.2 ms as the multiply-adds.
 """
 
 from __future__ import annotations
