@@ -139,6 +139,23 @@ def test_causal_in_the_targets():
         assert (y2[:, t + 1 :] - y[:, t + 1 :]).abs().max() > 1e-6  # and it does reach the future
 
 
+def test_a_nonfinite_input_poisons_only_its_own_sequence_from_there_on():
+    """A NaN/inf at position t of one sequence: its outputs before t are exactly those of the
+    clean input, every later output of its chunk is NaN (the in-chunk sums are taken on zeroed
+    positions and the later outputs marked, not 0 × NaN), and the other sequence is untouched."""
+    layer = make_layer(chunk_size=8)
+    x, targets = data(T=8)
+    head, _ = random_head(2, 8)
+    y, _ = layer.forward_state(x, layer.init_state(2), targets=targets, head=head)
+    for bad in (float("nan"), float("inf")):
+        xb = x.clone()
+        xb[1, 3, 0] = bad
+        yb, _ = layer.forward_state(xb, layer.init_state(2), targets=targets, head=head)
+        torch.testing.assert_close(yb[0], y[0], rtol=0, atol=0)
+        torch.testing.assert_close(yb[1, :3], y[1, :3], rtol=0, atol=0)
+        assert not yb[1, 3].isfinite().all() and yb[1, 4:].isnan().all()
+
+
 def test_backbone_logits_causal_in_the_targets():
     torch.manual_seed(0)
     model = HybridLM.from_layout("GDN+SWA | FWL", **BACKBONE, memory={"fwl": layer_options("fwl")}).double().eval()

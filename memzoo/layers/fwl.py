@@ -88,7 +88,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers.base import MemoryLayer, State
-from memzoo.ops.linear_attention import causal_matmul
 from memzoo.registry import register_layer
 
 #: the fast weights, in the order of the step-size and decay vectors
@@ -97,9 +96,15 @@ FAST = ("U", "a", "W", "b", "g", "beta")
 Head = Callable[[Tensor], Tensor]
 
 
-def _excl(g: Tensor) -> Tensor:
-    """Σ_{i<t} g_i for every t of a chunk (the exclusive cumsum), g [B, c, N]."""
-    return F.pad(g.cumsum(1), (0, 0, 1, 0))[:, :-1]
+def _finite_slow(slow: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
+    """The slow pass's tensors with every non-finite position zeroed, and `later` [B, c, 1]: the
+    positions of the chunk after a non-finite one. The fast pass sums over i < t with plain
+    triangular matmuls on the zeroed tensors (finite: 0 × NaN never reaches an earlier row) and
+    sets the `later` outputs to NaN, as a non-finite term in their sums would have made them."""
+    bad = torch.stack([(~v.isfinite()).any(-1) for v in slow.values()]).any(0)  # [B, c]
+    ok = ~bad[..., None]
+    later = (bad.cumsum(1) - bad.int()) > 0
+    return {k: v.where(ok, 0) for k, v in slow.items()}, later[..., None]
 
 
 @register_layer("fwl")
@@ -238,33 +243,37 @@ class FWL(MemoryLayer):
 
     def _fast(self, x: Tensor, state: State, slow: dict[str, Tensor] | None, alpha: dict[str, Tensor]) -> Tensor:
         """f_θ'(x_t) for every position of one chunk: θ' = θ - α ∘ (ΔΘ + Σ_{i<t in chunk} ∇θ L_i).
-        Without `slow` (a read) only the carried ΔΘ is used. The sums over i < t are an exclusive
-        cumsum and causal_matmul, not products with a 0/1 mask (0 × NaN = NaN), so a NaN/inf at
-        position t leaves every earlier output of the chunk finite."""
+        Without `slow` (a read) only the carried ΔΘ is used. A matrix and its bias take their
+        in-chunk sums in one strictly causal matmul: Σ_{i<t} (α_U (v'_t · v_i) + α_a) ∇_{o_i} L_i,
+        the bias's term (Σ_{i<t} ∇a_i, an exclusive cumsum) folded into the scores; the LayerNorm
+        vectors' exclusive cumsums are a matmul with the strictly lower-triangular ones. A NaN/inf
+        at position t leaves every earlier output of the chunk finite (`_finite_slow`)."""
         dt = state["dU"].dtype
         x = x.to(dt)
         U, a, W, b, g, beta = (getattr(self, n).to(dt) for n in FAST)
         if slow is not None:
-            s = {k: v.to(dt) for k, v in slow.items()}
+            s, later = _finite_slow({k: v.to(dt) for k, v in slow.items()})
         # layer 1: query x'_t = x_t (the input is the same in both passes)
         pre = x @ U + a - alpha["U"] * (x @ state["dU"]) - alpha["a"] * state["da"][:, None]
-        if slow is not None:
-            att = x @ s["x"].mT  # Eq. 2: (v'_t · v_i), summed over i < t
-            pre = pre - alpha["U"] * causal_matmul(att, s["g_pre"], -1) - alpha["a"] * _excl(s["g_pre"])
+        if slow is not None:  # Eq. 2: (v'_t · v_i) with keys v_i = x_i
+            pre = pre - (alpha["U"] * (x @ s["x"].mT) + alpha["a"]).tril(-1) @ s["g_pre"]
         r = F.relu(pre).square()
         # layer 2: query r'_t (fast), keys r_i (slow)
         z = r @ W + b - alpha["W"] * (r @ state["dW"]) - alpha["b"] * state["db"][:, None]
         if slow is not None:
-            att = r @ s["r"].mT
-            z = z - alpha["W"] * causal_matmul(att, s["g_z"], -1) - alpha["b"] * _excl(s["g_z"])
+            z = z - (alpha["W"] * (r @ s["r"].mT) + alpha["b"]).tril(-1) @ s["g_z"]
         zhat, _ = self._norm(z)
         # LayerNorm's gain and bias: vectors, an exclusive cumsum of their gradients
         gain = g - alpha["g"] * state["dg"][:, None]
         bias = beta - alpha["beta"] * state["dbeta"][:, None]
         if slow is not None:
-            gain = gain - alpha["g"] * _excl(s["g_g"])
-            bias = bias - alpha["beta"] * _excl(s["g_beta"])
-        return gain * zhat + bias
+            c = x.shape[1]
+            before = torch.ones(c, c, dtype=dt, device=x.device).tril(-1)  # [t, i] = 1 for i < t
+            sums = before @ torch.cat([s["g_g"], s["g_beta"]], dim=-1)
+            gain = gain - alpha["g"] * sums[..., : self.d_model]
+            bias = bias - alpha["beta"] * sums[..., self.d_model :]
+        y = gain * zhat + bias
+        return y if slow is None else y.masked_fill(later, float("nan"))
 
     # eager inside a compiled model: compiled with the rest, in bf16 autocast, this update gave NaN
     # input gradients on an Intel Xeon (batch 64 x 64 tokens, width 128, one chunk, whose update the
