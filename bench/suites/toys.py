@@ -370,9 +370,10 @@ nothing else running, 2026-11-26): baseline 219 / 271 ms, FWL 565 / 655, MoM 423
 370 / 419, Ba 344 / 435, PKM 282 / 325, FwPKM 302 / 329, fwpkm/shared 264 / 311, fwmlp/clip
 335 / 354, linear 239 / 283, ctrl:attention 151 / 264. Applied to the training part (~3/4) of the
 published rows' 7.55 thread-hours, fp32 would make the preset ~6.8 thread-hours here: ~3.4 h on
-two workers, still over 3 h, so the precision alone does not decide the budget. Inductor's C++ GEMM templates (max-autotune) did not speed the step (342 against 349 ms).
-A group's first cell compiles cold: 45-120 s per input shape (Ba's task has three: 160 s for the
-baseline, 254 s for MoM, 317 s for LaCT); compiling it with a symbolic length was slower still
+two workers, still over 3 h, so the precision alone does not decide the budget. Inductor's C++
+GEMM templates (max-autotune) did not speed the step (342 against 349 ms). A group's first cell
+compiles cold: 45-120 s per input shape (Ba's task has three: 160 s for the baseline, 254 s for
+MoM, 317 s for LaCT); compiling it with a symbolic length was slower still
 (over 6 min for the baseline; stopped), and g++ at -O1 or -O2 instead of -O3 did not shorten a
 compile (78 and 77 s against 73). Compiling each block on its own (regional compilation: the
 baseline's two GDN blocks share one graph, and every model's first block is the baseline's, from
@@ -381,7 +382,7 @@ LaCT 235 -> 185 s, FWL 47 -> 45 s) but slowed every step by 3-4% (baseline 254-2
 PKM 299-316 -> 317-325 ms: the embedding, final norm, head and loss ran eager), a wash over a cell's
 ~1000 steps; not done. Evaluation (fp32 eager, every 100 steps) costs 4-8% of training.
 
-In a whole run the two changes above did not show. A fresh timed run of this code (2026-11-26,
+In a whole run the short-convolution and MoM changes above did not show. A fresh timed run of this code (2026-11-26,
 ``--jobs 2``, a new compile cache, nothing else on the cores; ``--out
 leaderboards/reruns/standard-toys-2026-11-26``) recorded the baseline's, the controls' and the
 first MQAR cells of FWL and MoM, 20 cells, in 43 min: 1.26 thread-hours, 0.278 s per step
