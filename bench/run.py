@@ -157,9 +157,11 @@ def _worker(args: dict, wid: int, jobs, threads: int, queue) -> None:
     the bench process that started it. Its compile cache is the run's (the environment's)."""
     import torch
 
+    from memzoo.train import tune_cpu
+
     exit_with(args["parent"])
     torch.set_num_threads(threads)
-    torch.set_flush_denormal(True)
+    tune_cpu()
     p = load_preset(args["preset"])
     rec = Recorder(args["out"], p.name, args["seed"], run_id=args["run_id"])
     ctx = Context(p, args["seed"], rec, Path(args["work_dir"]), args["device"], progress=False,
@@ -195,12 +197,12 @@ def run_bench(
 
     from memzoo.bench.common import read_results
     from memzoo.storage import ensure_writable_dir
-    from memzoo.train import resolve_device
+    from memzoo.train import resolve_device, tune_cpu
 
     if jobs < 0:
         raise ConfigError(f"--jobs must be >= 0 (0: one per CPU core on CPU, 1 on CUDA), got {jobs}")
     device = resolve_device(device)
-    torch.set_flush_denormal(True)  # GDN's strong decays make subnormals, ~10x slower on CPU
+    tune_cpu()
     names, todo, p = parse_layers(layers), parse_suites(suites), load_preset(preset)
     for s in todo:  # check every suite's settings before spending minutes on the first
         mod = suite(s)

@@ -205,8 +205,8 @@ def test_solved_on_the_mean_or_on_every_slice():
         toys.Settings(solve_on="min").check()
     task = toys.Task("mqar", toys.Settings(val_size=2, test_size=2))
     mc = toys.toy_config(load_preset("tiny"), BASELINE, 16, task.vocab, toys.Settings())
-    assert "solve_on" not in toys.cell_config(mc, task, toys.Settings(), BASELINE)["train"]  # earlier rows' hashes stay
-    assert toys.cell_config(mc, task, toys.Settings(solve_on="every"), BASELINE)["train"]["solve_on"] == "every"
+    assert "solve_on" not in toys.cell_config(mc, task.name, toys.Settings(), BASELINE)["train"]  # earlier rows' hashes stay
+    assert toys.cell_config(mc, task.name, toys.Settings(solve_on="every"), BASELINE)["train"]["solve_on"] == "every"
 
 
 def test_mean_ci_by_hand():
@@ -250,7 +250,18 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     parts = toys.parts(ctx, "fwpkm")
     assert [p for p, _, _ in parts] == [("fwpkm", t, w, s) for t in ("mqar", "ar") for w in (16, 24) for s in (0, 1)]
     assert parts[0][1] > parts[-1][1] > 0  # a cell's cost: MQAR's sequences are longer than AR's
-    assert [g for _, _, g in parts] == [("fwpkm", t, w) for t in ("mqar", "ar") for w in (16, 24) for _ in (0, 1)]
+    assert [g for _, _, g in parts] == [None] * 8  # all recorded: nothing to compile, no group
+    fresh = toys.parts(_ctx(tmp_path / "fresh", resume=True), "fwpkm")  # nothing recorded there
+    assert [g for _, _, g in fresh] == [("fwpkm", t, w) for t in ("mqar", "ar") for w in (16, 24) for _ in (0, 1)]
+    # seed 0 of one group recorded: its seed 1 is now the group's first (bench's plan queues it before the
+    # second of any group), not a second cell queued beside another
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "results.jsonl").write_text("".join(
+        json.dumps(r) + "\n" for r in rows if r["layer"] == "fwpkm" and r["seed"] == 0
+        and r["setting"] == {"task": "mqar", "d_model": 16}))
+    half = {p: g for p, _, g in toys.parts(_ctx(one, resume=True), "fwpkm")}
+    assert half[("fwpkm", "mqar", 16, 0)] is None and half[("fwpkm", "mqar", 16, 1)] == ("fwpkm", "mqar", 16)
     alone = toys.run(_ctx(tmp_path / "part"), ["fwpkm"], only=[parts[-1][0]])
     same = [r for r in rows if r["layer"] == "fwpkm" and r["setting"] == alone[0]["setting"] and r["seed"] == 1]
     assert len(alone) == 1 and alone[0]["metrics"]["accuracy"] == same[0]["metrics"]["accuracy"]

@@ -121,3 +121,11 @@ def test_lm_loss_weights_the_targets(tmp_path):
     want = num / den + out.aux_loss
     assert out.aux_loss is not None and lm_loss(model, x, (y, w)).item() == pytest.approx(want.item(), rel=1e-5)
     assert lm_loss(model, x, (y, torch.ones(2, 16))).item() == pytest.approx(out.loss.item(), rel=1e-5)
+
+
+def test_tune_cpu_flushes_subnormals():
+    from memzoo.train import tune_cpu
+
+    tune_cpu()
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # subnormal in fp32
+    assert (tiny * 1.0).item() == 0.0

@@ -91,9 +91,13 @@ the mean query norm grew from 4.6 to 10.4 in 177 steps and at step 177 a write's
 non-finite, in fp32 eager and in bf16 alike, at the same step (the trajectory, not the
 precision); all six standard cells stopped as *diverged* within 161-462 steps. The paper's
 FwMLP (and the released run's config, ``fwpkm_grad_clip: false``) has no clipping; the release's
-``FastWeightMLP`` class clips each gradient entry to [-1, 1] by default. The standard preset
-publishes both: ``fwmlp`` as the paper gives it, and the variant ``fwmlp/clip``
-(``grad_clip: true``), which trained past that point (MQAR loss below chance by step 400).
+``FastWeightMLP`` class clips each gradient entry to [-1, 1] by default. The standard table
+holds both: ``fwmlp`` as the paper gives it, and the variant ``fwmlp/clip`` (``grad_clip: true``),
+which trained past that point (MQAR loss below chance by step 400; its seeds: MQAR solved at 1000
+steps, capped at 2000, plateau at 1900; AR solved in 700-1000). The variant's rows were recorded by
+the standard preset until 2026-11-26; the preset leaves it out since (its six published cells took 1.03
+thread-hours on AMD EPYC, the most of any group that no registered layer needs, and the preset
+is held to 3 hours on two cores). zoo_configs/bench/standard.yaml says how to re-run it.
 
 Update chunks. A chunk-level layer (FwPKM, FwMLP, LaCT) reads its memory before it writes
 the chunk, so with the preset's chunks (32-256 tokens) a toy sequence would be a single chunk and
@@ -353,6 +357,11 @@ thread a process, before and after in one run:
   334 -> 289 ms (one thread, the two versions alternating in one process beside another busy
   process; Intel Xeon, Cooper Lake; the losses at step 40: 3.4823 and 3.4832).
 - MoM's delta rule in chunks of 16 instead of 64: its standard MQAR step 558 -> 500 ms.
+- Training processes (a bench worker, ``memzoo train``) keep freed blocks of up to 32 MiB in the
+  heap (``memzoo.train.tune_cpu``, glibc's ``mallopt``): a fresh process's step had faulted in its
+  activations' pages afresh every time, 6,453 page faults in the baseline's standard MQAR step
+  (264 -> 255 ms) and 17,564 in MoM's (450 -> 416 ms; Intel Xeon, Cooper Lake, 2026-11-26). A
+  long-lived worker got part of the way alone (glibc raises its threshold as large blocks are freed).
 - FWL takes each fast matrix's in-chunk sum and its bias's (an exclusive cumsum) in one strictly
   causal matmul, and a non-finite position is zeroed on entry and the outputs after it set to NaN,
   instead of a NaN-safe masked matmul and two exclusive cumsums per matrix (aten's CPU cumsum along
@@ -393,6 +402,17 @@ compiles share the two cores, and a machine lent on another day is not the same 
 1.33x (GDN) and 1.51x (FwPKM) faster than the fp32 eager step of 279a062 (``bench_toys --before
 279a062``; 2.04x and 2.30x on EPYC): its bf16 matmuls are slower than its fp32 ones. The whole
 preset remains ~7.5 thread-hours here, ~3.8 h on two workers.
+
+The same run resumed once more (2026-11-26, 07:06-08:43, nothing else on the cores; ``fwmlp/clip``
+now out of the preset; each group's first cell still to run queued first, see ``parts``): 22 more
+cells in 1.60 h, 58 of the preset's 72 in 6.56 thread-hours. The 14 left (seed 2 of nine groups),
+counted at their seed-1 cells' wall time, add ~1.7: ~8.2 thread-hours, ~4 h on two workers on this
+Xeon, where the published rows (AMD EPYC; MoM at its current speed, FWL at its Xeon rows') come to
+~5.6 without ``fwmlp/clip``, ~2.8 h. So the 3-hour budget holds on the EPYC the rows were measured
+on, by that estimate, and not on this Xeon, whose bf16 matmuls are slow: the precision is part of
+every cell's config, and fp32 (~12% faster here, 1.3x slower on EPYC) would not close the gap.
+Of the rerun's slice means, 64 of 78 lie inside the published 95% intervals (the 14 outside are
+mostly cells with one or two rerun seeds against a zero-width published interval).
 """
 
 from __future__ import annotations
@@ -585,13 +605,17 @@ class Task:
     each slice (kv count or pairs), from generators of their own."""
 
     @staticmethod
+    def vocab_of(name: str, s: Settings) -> int:
+        return s.mqar_vocab if name == "mqar" else ar.VOCAB_SIZE
+
+    @staticmethod
     def mean_length(name: str, s: Settings) -> float:
         """Tokens per training sequence, on average over the steps."""
         return s.mqar_seq_len if name == "mqar" else sum(2 * n + 3 for n in s.ar_pairs) / len(s.ar_pairs)
 
     def __init__(self, name: str, s: Settings):
         self.name, self.s = name, s
-        self.vocab = s.mqar_vocab if name == "mqar" else ar.VOCAB_SIZE
+        self.vocab = self.vocab_of(name, s)
         self.slices = list(s.mqar_kv if name == "mqar" else s.ar_pairs)
         self.seq_len = s.mqar_seq_len if name == "mqar" else 2 * max(self.slices) + 3
         self.chance = 2 / s.mqar_vocab if name == "mqar" else 1 / 10
@@ -708,17 +732,24 @@ def solved(acc: dict[int, float], s: Settings) -> bool:
     return (min(acc.values()) if s.solve_on == "every" else sum(acc.values()) / len(acc)) >= s.target
 
 
-def cell_config(mc: ModelConfig, task: Task, s: Settings, layer: str) -> dict:
+def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
     """Everything one cell's numbers depend on (its hash decides whether a resumed run skips it)."""
     data = ({"vocab": s.mqar_vocab, "seq_len": s.mqar_seq_len, "kv": s.mqar_kv, "power_a": s.power_a}
-            if task.name == "mqar" else {"pairs": s.ar_pairs})
+            if task == "mqar" else {"pairs": s.ar_pairs})
     keep = ("max_steps", "min_steps", "eval_every", "patience", "min_delta", "target", "batch_size", "warmup", "min_lr_ratio",
             "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size")
     train = {k: getattr(s, k) for k in keep}
     if s.solve_on != "mean":  # the default is left out: the rows recorded before the option keep their hashes
         train["solve_on"] = s.solve_on
-    return {"model": mc.to_dict(), "task": task.name, "data": data, "lrs": s.candidates(layer), "train": train,
+    return {"model": mc.to_dict(), "task": task, "data": data, "lrs": s.candidates(layer), "train": train,
             "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 2}
+
+
+def cell_key(ctx: Context, s: Settings, name: str, task: str, width: int, seed: int) -> tuple:
+    """(model config, config, setting, the row already recorded or None) of one cell."""
+    mc = toy_config(ctx.preset, name, width, Task.vocab_of(task, s), s)
+    config, setting = cell_config(mc, task, s, name), {"task": task, "d_model": width}
+    return mc, config, setting, ctx.recorded(NAME, name, setting, config, seed)
 
 
 def cells(layer: str, s: Settings) -> list[str]:
@@ -752,10 +783,14 @@ def parts(ctx: Context, layer: str) -> list[tuple[tuple, float, tuple]]:
     (`memzoo bench` hands them to whichever worker is free), with its relative cost (the training
     tokens at the cap, a step's batch times the task's mean length, in steps of MQAR's batch) and
     its group: the cells of one model, task and width, which differ only in the seed and so
-    compile the same graphs."""
+    compile the same graphs. A cell already recorded (with resume) compiles nothing and has no
+    group, so that the first of its group still to run goes first (the later ones then load its
+    graphs from the run's cache): resuming with every group's first seed recorded, two workers
+    had taken MoM's seeds 1 and 2 side by side and compiled the same graphs at once."""
     s = ctx.preset.settings(NAME, Settings)
     tokens = {t: Task.mean_length(t, s) for t in s.tasks}
-    return [(cell, s.max_steps * len(s.candidates(cell[0])) * tokens[cell[1]] / s.mqar_seq_len, cell[:3])
+    return [(cell, s.max_steps * len(s.candidates(cell[0])) * tokens[cell[1]] / s.mqar_seq_len,
+             None if cell_key(ctx, s, *cell)[3] is not None else cell[:3])
             for cell in _plan(ctx, [layer])]
 
 
@@ -770,18 +805,14 @@ def run(ctx: Context, layers: list[str], only: list[tuple] | None = None) -> lis
     for name, tname, width, seed in _plan(ctx, layers):
         if only is not None and (name, tname, width, seed) not in only:
             continue
-        if tname not in tasks:  # built on first use: its validation and test sets take a moment
-            tasks[tname] = Task(tname, s)
-        task = tasks[tname]
-        mc = toy_config(ctx.preset, name, width, task.vocab, s)
-        config = cell_config(mc, task, s, name)
-        setting = {"task": tname, "d_model": width}
-        done = ctx.recorded(NAME, name, setting, config, seed)
+        mc, config, setting, done = cell_key(ctx, s, name, tname, width, seed)
         if done is not None:
             rows.append(done)
             ctx.advance(s.max_steps * len(s.candidates(name)), f"toys {name} (recorded)")
             continue
-        rows.append(_cell(ctx, name, task, width, mc, config, setting, s, seed))
+        if tname not in tasks:  # built on first use: its validation and test sets take a moment
+            tasks[tname] = Task(tname, s)
+        rows.append(_cell(ctx, name, tasks[tname], width, mc, config, setting, s, seed))
     return rows
 
 
