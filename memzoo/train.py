@@ -27,6 +27,7 @@ size (:mod:`memzoo.distributed`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import time
@@ -236,6 +237,82 @@ def tune_cpu() -> None:
         mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD (glibc's maximum on 64-bit)
 
 
+@functools.cache
+def cpu_bf16_gemm_is_slow() -> bool:
+    """Whether this CPU multiplies bf16 matrices more slowly than fp32 ones: timed once per process,
+    at the standard toys' FFN shape (4096 x 128 by 128 x 384), the two alternating, best of 5 each,
+    in this process's threads.
+
+    oneDNN's bf16 GEMM is fast where the CPU has AMX tiles, and bf16 training was the faster on the
+    AMD EPYC of the published toy rows (fp32 1.3x slower); on an Intel Xeon whose AMX the hypervisor
+    hides, its ``avx512_bf16`` path is 1.4-3.4x slower than its fp32 one at the toys' shapes (one
+    thread, 2026-11-26). There :func:`make_step` multiplies bf16 operands in fp32."""
+    a, b = torch.randn(4096, 128), torch.randn(128, 384)
+    pairs = ((a.bfloat16(), b.bfloat16()), (a, b))
+    best = [math.inf, math.inf]
+    for i in range(12):
+        x, y = pairs[i % 2]
+        t = time.perf_counter()
+        x @ y
+        if i >= 2:  # the first of each builds oneDNN's kernel
+            best[i % 2] = min(best[i % 2], time.perf_counter() - t)
+    return best[0] > 1.25 * best[1]  # the margin pays for the casts
+
+
+def _bf16_gemms_in_fp32_pass():
+    """:class:`Bf16GemmsInFp32`, defined on first use: inductor is imported only for compiled steps."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    aten, prims = torch.ops.aten, torch.ops.prims
+    gemms = (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default)
+
+    class Bf16GemmsInFp32(CustomGraphPass):
+        """An inductor post-grad pass: each matrix product of bf16 CPU tensors (mm, bmm, addmm,
+        baddbmm: bf16 autocast's linear layers and einsums, forward and backward) becomes the fp32
+        product of the same operands, cast to bf16. Where the operands are bf16 tensors this is
+        bf16 autocast's arithmetic: the product of two bf16 numbers is exact in fp32, and oneDNN's
+        bf16 GEMM also sums in fp32 and rounds the result to bf16; only the order of the sums can
+        differ, as it does between two CPUs (``test_bf16_gemms_in_fp32_pass_keeps_bf16_autocast_arithmetic``).
+        The casts fuse into the kernels around the product, and there inductor drops a rounding
+        to bf16 between two fused ops, as it does between any two (``emulate_precision_casts``,
+        off by default): an operand computed in the same kernel, or the product read by one, is
+        then used unrounded, in fp32, as are the other intermediates of compiled bf16 training."""
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            from torch._guards import detect_fake_mode
+
+            widened = {}  # one fp32 copy of each operand, however many products read it
+            for node in list(graph.nodes):
+                val = node.meta.get("val")
+                if (node.op != "call_function" or node.target not in gemms or not isinstance(val, torch.Tensor)
+                        or val.dtype != torch.bfloat16 or val.device.type != "cpu"):
+                    continue
+                with graph.inserting_before(node), detect_fake_mode([val]):
+                    args = []
+                    for a in node.args:
+                        if isinstance(a, torch.fx.Node):
+                            if a not in widened:  # before its first product: it dominates the later ones
+                                a32 = graph.call_function(prims.convert_element_type.default, (a, torch.float32))
+                                a32.meta["val"] = a.meta["val"].float()
+                                widened[a] = a32
+                            a = widened[a]
+                        args.append(a)
+                    prod = graph.call_function(node.target, tuple(args), dict(node.kwargs))
+                    prod.meta["val"] = node.target(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args],
+                                                   **node.kwargs)
+                    out = graph.call_function(prims.convert_element_type.default, (prod, torch.bfloat16))
+                    out.meta["val"] = val
+                node.replace_all_uses_with(out)
+                graph.erase_node(node)
+
+        def uuid(self) -> bytes:  # inductor's cache key: a changed pass must not reuse old compiled code
+            from torch._inductor.custom_graph_pass import get_hash_for_files
+
+            return get_hash_for_files((__file__,))
+
+    return Bf16GemmsInFp32()
+
+
 def resolve_precision(precision: str, device: str) -> str:
     """train.precision "auto": bf16 autocast on CUDA (as the paper trains), fp32 on CPU."""
     if precision == "auto":
@@ -258,10 +335,18 @@ def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: flo
     `precision`: "fp32", or "bf16" (forward and loss under bf16 autocast, weights and optimizer
     in fp32). `compile`: run the forward through ``torch.compile(model, dynamic=False)`` (one graph
     per input shape: a batch of another length compiles anew instead of turning every length
-    symbolic, which some mixers' compiled code does not support)."""
+    symbolic, which some mixers' compiled code does not support). Compiled bf16 on a CPU whose bf16
+    GEMM is the slower (:func:`cpu_bf16_gemm_is_slow`) multiplies in fp32 (``Bf16GemmsInFp32``): the
+    standard toys' MQAR step on an Intel Xeon without AMX (2026-11-26, one thread, the two compiled
+    steps alternating in one process), in ms: baseline 246 -> 206, FwPKM 316 -> 287, LaCT 386 -> 357."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    fwd = torch.compile(model, dynamic=False) if compile else model
+    fwd = model
+    if compile:
+        cpu = next(model.parameters()).device.type == "cpu"
+        options = ({"post_grad_custom_post_pass": _bf16_gemms_in_fp32_pass()}
+                   if precision == "bf16" and cpu and cpu_bf16_gemm_is_slow() else None)
+        fwd = torch.compile(model, dynamic=False, options=options)
 
     def step(batches, lr: float | None = None) -> float:
         if lr is not None:

@@ -129,3 +129,58 @@ def test_tune_cpu_flushes_subnormals():
     tune_cpu()
     tiny = torch.tensor([1e-39], dtype=torch.float32)  # subnormal in fp32
     assert (tiny * 1.0).item() == 0.0
+
+
+def test_bf16_gemms_in_fp32_pass_keeps_bf16_autocast_arithmetic():
+    """The post-grad pass make_step uses where bf16 GEMMs are slow: every bf16 matrix product of
+    a traced autocast graph (addmm of a linear layer, mm, bmm of an einsum) becomes an fp32
+    product of the same bf16 operands, rounded to bf16, which is what bf16 autocast computes:
+    the result equals fp32 arithmetic on the bf16-rounded operands, and matches eager autocast
+    up to one bf16 rounding."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memzoo.train import _bf16_gemms_in_fp32_pass
+
+    aten = torch.ops.aten
+    gemms = {aten.mm.default, aten.bmm.default, aten.addmm.default}
+
+    def f(x, w, b, v):
+        h = torch.nn.functional.linear(x, w, b)  # addmm
+        return h @ v, torch.einsum("bij,bjk->bik", h.view(2, 4, 12), v.expand(2, 12, 6))  # mm, bmm
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b, v = (torch.randn(*s, generator=g) for s in ((8, 5), (12, 5), (12,), (12, 6)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gm = make_fx(f, tracing_mode="fake")(x, w, b, v)
+        want = f(x, w, b, v)
+    nodes = lambda: [n for n in gm.graph.nodes if n.op == "call_function" and n.target in gemms]  # noqa: E731
+    assert {n.meta["val"].dtype for n in nodes()} == {torch.bfloat16} and len(nodes()) == 3
+    _bf16_gemms_in_fp32_pass()(gm.graph)
+    gm.recompile()
+    assert {n.meta["val"].dtype for n in nodes()} == {torch.float32} and len(nodes()) == 3
+    got = gm(x, w, b, v)
+    r = lambda t: t.bfloat16().double()  # noqa: E731  a bf16 operand, exactly
+    h = r(r(x) @ r(w).T + r(b))  # the linear layer's output, rounded to bf16
+    exact = (r(h @ r(v)), r(torch.einsum("bij,bjk->bik", h.view(2, 4, 12), r(v).expand(2, 12, 6))))
+    for out, ref, eager in zip(got, exact, want):
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), ref, rtol=2 ** -7, atol=1e-6)  # one bf16 rounding apart at most
+        torch.testing.assert_close(out, eager, rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_make_step_multiplies_in_fp32_only_where_bf16_gemms_are_slow(tmp_path, monkeypatch, slow):
+    """Compiled bf16 on a CPU: the pass is given to torch.compile exactly when the probe finds
+    bf16 GEMMs slow; fp32 and eager steps never ask the probe."""
+    import memzoo.train as T
+    from memzoo.backbone.model import HybridLM
+
+    seen = []
+    monkeypatch.setattr(T, "cpu_bf16_gemm_is_slow", lambda: slow)
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.append(kw.get("options")) or model)
+    model = HybridLM(_rc(tmp_path).model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    T.make_step(model, opt, precision="bf16", compile=True)
+    T.make_step(model, opt, precision="fp32", compile=True)
+    passes = [o and o.get("post_grad_custom_post_pass") for o in seen]
+    assert (type(passes[0]).__name__ == "Bf16GemmsInFp32") == slow and passes[1] is None
