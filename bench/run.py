@@ -14,7 +14,7 @@ as they become free, the baseline's first and then the costliest: tiny models ke
 busy but gain little from a second, so two single-thread workers finish the default comparison
 in about half the time of one process with two threads. Every number a worker measures is
 independent of the others (same seeds, same data), only wall times and throughput see the
-neighbour. The workers share the run's torch.compile cache.
+neighbour. The workers share one torch.compile cache, kept in the work dir for the next run (`compile_cache`).
 
 Progress is one bar over all workers, in units of work known before the first starts: training
 steps (the toys' and the shared LMs'), evaluated cells (ppl's corpus and mode, NIAH's samples)
@@ -87,7 +87,7 @@ def plan(ctx: Context, layers: list[str], todo: list[str]) -> list[Job]:
     job's cost is its units of work (a suite's parts say their own) times its layer's
     `bench_cost`. Within each of the two, the first job of every group goes before the second of
     any: the jobs of a group compile the same graphs, and the later ones load them from the run's
-    cache (`private_compile_cache`) once the first has compiled them (a rerun of the standard toys:
+    cache (`compile_cache`) once the first has compiled them (a rerun of the standard toys:
     the positive control's first AR cell took 135 s, the two started after it 19 and 24 s, all
     200 steps), whereas queued side by side, two workers compiled them at once."""
     jobs = []
@@ -135,26 +135,48 @@ def exit_with(parent: int, poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
-def private_compile_cache() -> None:
-    """torch.compile's on-disk cache in a directory of this run's own (its workers inherit it
-    and share it: a graph one worker compiled, the other loads; inductor locks what it writes
-    against concurrent compiles), removed at exit. The shared default (/tmp/torchinductor_<user>)
-    outlives runs: a bench killed while it compiles (which is how a resumable run stops) can
-    leave a truncated library there, and the next run's compile then fails ("file too short")."""
-    import atexit
+def compile_cache(work_dir: Path) -> Path:
+    """Point torch.compile's on-disk cache at ``<work dir>/compile-cache`` for this run and its
+    workers (they inherit the environment and share it: a graph one worker compiled, the other
+    loads; inductor locks what it writes against concurrent compiles). It outlives the run, so
+    a resumed run loads what the killed one compiled: the fresh standard toys run of 2026-11-26,
+    resumed seven times with a cache of each run's own, compiled most groups' graphs once per
+    segment, ~1.2 of its 8.2 thread-hours (``python -m memzoo.bench.experiments.reruns``).
+
+    Inductor builds each kernel library with g++ straight to its final path, in a scratch dir
+    ``<name>_CxxBuild`` beside it that it removes when the build ends, and later loads any
+    library that exists: a run killed mid-build leaves a truncated one that every later compile
+    of that kernel fails to load ("file too short"). So a scratch dir whose lock no live process
+    holds marks a killed build, and its outputs go with it here; the next compile rebuilds them.
+    The same holds for inductor's precompiled headers, which it keeps in its default dir."""
     import os
     import shutil
-    import tempfile
 
-    path = tempfile.mkdtemp(prefix="memzoo-compile-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    path = work_dir / "compile-cache"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    from torch._inductor.codecache import _HEADER_DIR, _HEADER_LOCK_DIR  # where inductor keeps its headers
+    from filelock import FileLock, Timeout  # what inductor locks its builds with
+
+    for builds, locks in ((path.glob("*/*_CxxBuild"), path / "locks"),
+                          (Path(_HEADER_DIR).glob("*_CxxBuild"), Path(_HEADER_LOCK_DIR))):
+        for scratch in builds:
+            key = scratch.name.split(".")[0]
+            locks.mkdir(parents=True, exist_ok=True)
+            try:
+                with FileLock(str(locks / f"{key}.lock"), timeout=0):
+                    for f in scratch.parent.glob(f"{key}*"):
+                        if f.suffix in (".so", ".o", ".gch"):
+                            f.unlink(missing_ok=True)
+                    shutil.rmtree(scratch, ignore_errors=True)
+            except Timeout:  # a live build: another run compiles it now
+                pass
+    return path
 
 
 def _worker(args: dict, wid: int, jobs, threads: int, queue) -> None:
     """A worker process: runs jobs from the `jobs` queue until it holds None, reporting
     ("work", wid, units, doing) for each unit of work, then ("end", wid, 0, ""). It ends with
-    the bench process that started it. Its compile cache is the run's (the environment's)."""
+    the bench process that started it. Its compile cache is the run's (the environment's: `compile_cache`)."""
     import torch
 
     from memzoo.train import tune_cpu
@@ -228,7 +250,7 @@ def run_bench(
                             refresh=False)
         bar.update(units)
 
-    private_compile_cache()
+    compile_cache(work_dir)
     if workers == 1:
         ctx.on_work = lambda units, what: show(0, units, what)
         for job in queued:

@@ -299,3 +299,47 @@ def test_a_bench_worker_ends_when_its_parent_is_killed():
         time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)
     raise AssertionError("the worker outlived its parent by 10 s")
+
+
+def test_compile_cache_outlives_the_run_and_drops_killed_builds(tmp_path, monkeypatch):
+    """`compile_cache`: the cache is <work dir>/compile-cache (kept for a resumed run); a kernel
+    whose g++ build was killed (its scratch dir left, its library maybe truncated) loses its
+    outputs, sources kept, so that it is rebuilt; finished kernels and a build that a live
+    process holds the lock of are left alone; the same for precompiled headers."""
+    import fcntl
+    import os
+
+    import torch._inductor.codecache as codecache
+
+    from memzoo.bench.run import compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # restored after the test
+    headers = tmp_path / "headers"
+    monkeypatch.setattr(codecache, "_HEADER_DIR", str(headers))
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", str(headers / "locks"))
+    cache = tmp_path / "work" / "compile-cache"
+
+    def kernel(where, key, files, scratch=None):
+        where.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            (where / f"{key}{f}").write_bytes(b"\x7fELF")
+        if scratch:  # the build's scratch dir, left by a kill
+            (where / f"{key}{scratch}_CxxBuild").mkdir()
+        return [where / f"{key}{f}" for f in files]
+
+    killed = kernel(cache / "ab", "cab1", [".main.cpp", ".main.so", ".optimized.cpp", ".optimized.o"], ".main")
+    done = kernel(cache / "ab", "cab2", [".main.cpp", ".main.so"])
+    live = kernel(cache / "cd", "ccd3", [".main.cpp", ".main.so"], ".main")
+    header = kernel(headers, "chh4", [".h", ".h.gch"], ".h")
+    (cache / "locks").mkdir()
+    fd = os.open(cache / "locks" / "ccd3.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another process builds ccd3 now
+    try:
+        assert compile_cache(tmp_path / "work") == cache
+    finally:
+        os.close(fd)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
+    assert [f.exists() for f in killed] == [True, False, True, False]  # the scratch dir went too
+    assert not (cache / "ab" / "cab1.main_CxxBuild").exists()
+    assert all(f.exists() for f in done + live) and (cache / "cd" / "ccd3.main_CxxBuild").exists()
+    assert [f.exists() for f in header] == [True, False]

@@ -391,6 +391,17 @@ LaCT 235 -> 185 s, FWL 47 -> 45 s) but slowed every step by 3-4% (baseline 254-2
 PKM 299-316 -> 317-325 ms: the embedding, final norm, head and loss ran eager), a wash over a cell's
 ~1000 steps; not done. Evaluation (fp32 eager, every 100 steps) costs 4-8% of training.
 
+Since a3736a1 a compiled bf16 step on a CPU whose bf16 GEMM is the slower (timed at the start of
+each process, ``memzoo.train.cpu_bf16_gemm_is_slow``; this Xeon, one thread: 1.4-3.4x slower than
+fp32 at the toys' shapes) multiplies the same bf16 operands in fp32 (an inductor post-grad pass,
+``Bf16GemmsInFp32``): oneDNN's bf16 GEMM sums in fp32 too, so the configs and their hashes stay
+and the rows stay comparable (where an operand or product is computed in the same fused kernel,
+inductor then keeps it in fp32 instead of rounding it to bf16, as it does between any two fused
+ops). The standard MQAR step, both versions compiled in one process and alternating (Intel Xeon,
+one thread, 2026-11-26), in ms: baseline 246 -> 206 (1.19x), FwPKM 316 -> 287 (1.10x), LaCT
+386 -> 357 (1.08x); with the pass's first version (an fp32 copy per product, not per operand):
+linear 1.16x, ctrl:attention 1.17x, Ba, PKM 1.10x, MoM 1.06x.
+
 In a whole run the short-convolution and MoM changes above did not show. A fresh timed run of this code (2026-11-26,
 ``--jobs 2``, a new compile cache, nothing else on the cores; ``--out
 leaderboards/reruns/standard-toys-2026-11-26``) recorded the baseline's, the controls' and the
@@ -413,6 +424,21 @@ on, by that estimate, and not on this Xeon, whose bf16 matmuls are slow: the pre
 every cell's config, and fp32 (~12% faster here, 1.3x slower on EPYC) would not close the gap.
 Of the rerun's slice means, 64 of 78 lie inside the published 95% intervals (the 14 outside are
 mostly cells with one or two rerun seeds against a zero-width published interval).
+
+That run, finished (2026-11-26, 09:28-09:56: the last nine cells), holds all 72 cells of the
+preset in 8.18 thread-hours, but it ran in seven segments, each with a compile cache of its own, so
+most groups compiled their graphs cold once per segment: counted with one cold compile per group
+(as one uninterrupted run pays), ~7.0-7.2 thread-hours. Bench runs now keep their compile cache in
+the work dir (``memzoo.bench.run.compile_cache``), so a resumed run pays what one run pays. A new
+timed run of this code with the bf16 products in fp32 (above; ``--out
+leaderboards/reruns/standard-toys-2026-11-26-fp32gemm``, one uninterrupted segment from 10:25,
+nothing else on the cores but the commands of this session's work) recorded its first 32 cells
+(every MQAR group's first seed, the baseline's and the controls' six cells each, and the first AR
+cells) in 2.51 thread-hours, where the same cells of the finished run took 3.13 (training alone:
+1.83 against 2.39); their cold compiles averaged 116 s a cell, a warm cell's start and
+evaluations 10 s. Counted at that training ratio (0.77) and those overheads, the 40 cells left
+bring the preset to ~5.4 thread-hours, ~2.7 h on two workers: within the 3-hour budget on this
+Xeon by that estimate, which its finished run will have to confirm.
 """
 
 from __future__ import annotations
