@@ -204,6 +204,10 @@ def hardware() -> dict:
     hw = {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         hw["gpu"] = torch.cuda.get_device_name()
+    else:  # whether compiled bf16 steps multiply in fp32 here (memzoo.train.make_step)
+        from memzoo import train
+
+        hw["bf16_gemm_in_fp32"] = train.cpu_bf16_gemm_is_slow()
     return hw
 
 

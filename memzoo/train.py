@@ -239,23 +239,31 @@ def tune_cpu() -> None:
 
 @functools.cache
 def cpu_bf16_gemm_is_slow() -> bool:
-    """Whether this CPU multiplies bf16 matrices more slowly than fp32 ones: timed once per process,
-    at the standard toys' FFN shape (4096 x 128 by 128 x 384), the two alternating, best of 5 each,
-    in this process's threads.
+    """Whether this CPU multiplies bf16 matrices more slowly than fp32 ones: timed once per process
+    on one thread, at the standard toys' FFN shape (4096 x 128 by 128 x 384), the two alternating,
+    the fastest of 10 each, in the thread's CPU time (wall time is not enough: on a shared
+    2-core machine a neighbour process's time slices land in whole ~4 ms steps on a 3-5 ms product,
+    and flipped the answer in one call of four).
 
     oneDNN's bf16 GEMM is fast where the CPU has AMX tiles, and bf16 training was the faster on the
     AMD EPYC of the published toy rows (fp32 1.3x slower); on an Intel Xeon whose AMX the hypervisor
     hides, its ``avx512_bf16`` path is 1.4-3.4x slower than its fp32 one at the toys' shapes (one
-    thread, 2026-11-26). There :func:`make_step` multiplies bf16 operands in fp32."""
-    a, b = torch.randn(4096, 128), torch.randn(128, 384)
-    pairs = ((a.bfloat16(), b.bfloat16()), (a, b))
-    best = [math.inf, math.inf]
-    for i in range(12):
-        x, y = pairs[i % 2]
-        t = time.perf_counter()
-        x @ y
-        if i >= 2:  # the first of each builds oneDNN's kernel
-            best[i % 2] = min(best[i % 2], time.perf_counter() - t)
+    thread, 2026-11-26; 1.8-1.9x at this shape). There :func:`make_step` multiplies bf16 operands
+    in fp32."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the product runs on this thread, whose CPU time is measured
+    try:
+        a, b = torch.randn(4096, 128), torch.randn(128, 384)
+        pairs = ((a.bfloat16(), b.bfloat16()), (a, b))
+        best = [math.inf, math.inf]
+        for i in range(22):
+            x, y = pairs[i % 2]
+            t = time.thread_time()
+            x @ y
+            if i >= 2:  # the first of each builds oneDNN's kernel
+                best[i % 2] = min(best[i % 2], time.thread_time() - t)
+    finally:
+        torch.set_num_threads(threads)
     return best[0] > 1.25 * best[1]  # the margin pays for the casts
 
 
@@ -264,12 +272,20 @@ def _bf16_gemms_in_fp32_pass():
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     aten, prims = torch.ops.aten, torch.ops.prims
-    gemms = (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default)
+    gemms = (aten.mm.default, aten.addmm.default)
 
     class Bf16GemmsInFp32(CustomGraphPass):
-        """An inductor post-grad pass: each matrix product of bf16 CPU tensors (mm, bmm, addmm,
-        baddbmm: bf16 autocast's linear layers and einsums, forward and backward) becomes the fp32
-        product of the same operands, cast to bf16. Where the operands are bf16 tensors this is
+        """An inductor post-grad pass: each matrix product of two bf16 CPU matrices (mm, addmm: bf16
+        autocast's linear layers and 2-d einsums, forward and backward) becomes the fp32 product of
+        the same operands, cast to bf16. Batched products (bmm, baddbmm: chunked attention, the
+        fast-weight reads and writes) stay in bf16: rewriting them too made no step faster (the
+        standard toys' MQAR step, mm/addmm only against all four, one process, 2026-11-26: baseline
+        206 vs 213 ms, LaCT 350 vs 371, FwPKM 300 vs 315, MoM 384 vs 388), and together with the
+        GatedDeltaNet mixer's bmm it made inductor save garbage for FwMLP's backward (two bf16
+        copies of its per-sequence fast weights, saved for the backward of its chunked reads, held
+        fp32-like bit patterns; gradients NaN from Ba's task's first step at 27 tokens; neither
+        bmm nor baddbmm alone, nor any fusion or buffer-reuse setting, did it; not isolated
+        further). Where the operands are bf16 tensors this is
         bf16 autocast's arithmetic: the product of two bf16 numbers is exact in fp32, and oneDNN's
         bf16 GEMM also sums in fp32 and rounds the result to bf16; only the order of the sums can
         differ, as it does between two CPUs (``test_bf16_gemms_in_fp32_pass_keeps_bf16_autocast_arithmetic``).
@@ -338,7 +354,9 @@ def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: flo
     symbolic, which some mixers' compiled code does not support). Compiled bf16 on a CPU whose bf16
     GEMM is the slower (:func:`cpu_bf16_gemm_is_slow`) multiplies in fp32 (``Bf16GemmsInFp32``): the
     standard toys' MQAR step on an Intel Xeon without AMX (2026-11-26, one thread, the two compiled
-    steps alternating in one process), in ms: baseline 246 -> 206, FwPKM 316 -> 287, LaCT 386 -> 357."""
+    steps alternating in one process), in ms: baseline 246 -> 206, FwPKM 316 -> 287, LaCT 386 -> 357
+    (measured with bmm and baddbmm rewritten as well; without them the step is as fast or faster,
+    see ``Bf16GemmsInFp32``)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     fwd = model
