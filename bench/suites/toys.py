@@ -400,7 +400,17 @@ inductor then keeps it in fp32 instead of rounding it to bf16, as it does betwee
 ops). The standard MQAR step, both versions compiled in one process and alternating (Intel Xeon,
 one thread, 2026-11-26), in ms: baseline 246 -> 206 (1.19x), FwPKM 316 -> 287 (1.10x), LaCT
 386 -> 357 (1.08x); with the pass's first version (an fp32 copy per product, not per operand):
-linear 1.16x, ctrl:attention 1.17x, Ba, PKM 1.10x, MoM 1.06x.
+linear 1.16x, ctrl:attention 1.17x, Ba, PKM 1.10x, MoM 1.06x. Those figures rewrote the batched
+products (bmm, baddbmm) too; since 9defac7 the pass rewrites mm and addmm only: the batched ones
+gained nothing (MQAR step, mm/addmm only against all four: baseline 206 vs 213 ms, LaCT 350 vs
+371, FwPKM 300 vs 315, MoM 384 vs 388), and rewriting them made FwMLP's Ba-task gradients NaN
+from the first step at 27 tokens (inductor saved two bf16 copies of its per-sequence fast weights
+for the backward as garbage; it took bmm and baddbmm rewritten together, and no fusion or
+buffer-reuse setting changed it). With mm/addmm only its losses match the plain bf16 step's
+(3.663, 3.591, 3.542, 3.321, 3.192, 3.044 against 3.664, 3.587, 3.540, 3.309, 3.190, 3.022). The
+probe now times the thread's CPU time: in wall time a busy neighbour's ~4 ms time slices flipped
+it (one call in four said "not slow" on this Xeon while a bench ran). Rows record its answer
+(``hardware.bf16_gemm_in_fp32``).
 
 In a whole run the short-convolution and MoM changes above did not show. A fresh timed run of this code (2026-11-26,
 ``--jobs 2``, a new compile cache, nothing else on the cores; ``--out
@@ -438,7 +448,14 @@ cells) in 2.51 thread-hours, where the same cells of the finished run took 3.13 
 1.83 against 2.39); their cold compiles averaged 116 s a cell, a warm cell's start and
 evaluations 10 s. Counted at that training ratio (0.77) and those overheads, the 40 cells left
 bring the preset to ~5.4 thread-hours, ~2.7 h on two workers: within the 3-hour budget on this
-Xeon by that estimate, which its finished run will have to confirm.
+Xeon by that estimate, which its finished run will have to confirm. It did not: the same run
+resumed after 9defac7 (its two fwmlp cells, made by the pass that broke FwMLP, dropped; 13:27-14:43,
+every group compiling cold once more, the pass's cache key having changed) holds 56 cells in 5.53
+thread-hours, 0.86 of the same cells' time in the finished run (training alone 0.80). The later
+cells ran slower than the first 32 had (several trained to their caps where the finished run's
+stopped early: cells train to convergence, so a cell's wall time follows its trajectory), and the
+16 cells left project the preset to ~6.6-7.2 thread-hours, ~3.3-3.6 h on two workers: over the
+3-hour budget on this Xeon, within it (~2.8 h) on the EPYC of the published rows.
 """
 
 from __future__ import annotations
