@@ -233,6 +233,7 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
         assert m["state_size"] == m["gdn_state"] + m["mem_state"] + m["kv_cache"]
         assert 1 <= m["steps"] <= MICRO["max_steps"] and m["stop"] in ("solved", "plateau", "capped")
         assert m["converged"] == (m["stop"] != "capped")
+        assert m["compile_s"] > 0 and m["eval_s"] > 0 and m["compile_s"] + m["eval_s"] < r["wall_s"]  # parts of its wall time
     base = {(r["setting"]["task"], r["setting"]["d_model"]): r["metrics"] for r in rows if r["layer"] == BASELINE}
     assert base[("mqar", 16)]["gdn_state"] == 2 * 4 * 4 * 4  # 2 GDN layers x 4 heads x 4^2
     assert base[("mqar", 16)]["mem_state"] == 0
@@ -369,3 +370,25 @@ def test_rerun_comparison_by_hand():
     assert same == {"cells": 3, "same": 1}  # seed 1 took other steps, seed 2 another accuracy
     per_model, spans = cost(rerun)
     assert per_model == {"pkm": 50.0} and spans == {"a": (10.0, 2), "b": (30.0, 1)}
+
+
+def test_uninterrupted_run_counted_by_hand():
+    """bench/experiments/reruns.py: a run in segments counted as one: each group's costliest
+    compile_s once (its first cell), its cheapest for the others, on workers taking the first cell
+    of every group first; a row without compile_s counts its wall time."""
+    from memzoo.bench.experiments.reruns import uninterrupted
+
+    def row(layer, seed, wall, at, compile_s=None):
+        m = {} if compile_s is None else {"compile_s": compile_s}
+        return {"suite": "toys", "preset": "standard", "layer": layer, "setting": {"task": "mqar", "d_model": 128},
+                "seed": seed, "config_hash": "h", "metrics": m, "wall_s": wall, "time": f"2026-11-26T{at}:00Z"}
+
+    rows = [row("pkm", 0, 300.0, "10:00", 100.0), row("pkm", 1, 150.0, "10:05", 5.0), row("lact", 0, 200.0, "10:06", 50.0),
+            row("pkm", 2, 280.0, "11:00", 90.0),  # a second segment compiled the group cold again
+            row("lact", 1, 40.0, "11:01")]  # recorded before compile_s
+    total, span, lacking = uninterrupted(rows, jobs=2)
+    # pkm: 300 (cold), 150, 280 - 90 + 5 = 195 (warm); lact: 200 (cold), 40 (as recorded)
+    assert total == pytest.approx(300 + 150 + 195 + 200 + 40) and lacking == 1
+    # queue pkm0, lact0, pkm1, pkm2, lact1 -> workers [300, 0] [300, 200] [300, 350] [495, 350] [495, 390]
+    assert span == pytest.approx(495)
+    assert uninterrupted(rows, jobs=1)[1] == pytest.approx(total)

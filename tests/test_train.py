@@ -170,6 +170,35 @@ def test_bf16_gemms_in_fp32_pass_keeps_bf16_autocast_arithmetic():
         torch.testing.assert_close(out, eager, rtol=2 ** -7, atol=1e-6)
 
 
+def test_bf16_gemms_in_fp32_pass_widens_a_tensor_once_for_all_its_views():
+    """A linear layer's backward reads its output gradient twice, as is (dx = g W) and transposed
+    (dW = gᵀ x): the pass converts it to fp32 once and takes the transpose of that copy (one fp32
+    buffer, not one per view), and the products are still the fp32 products rounded to bf16."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memzoo.train import _bf16_gemms_in_fp32_pass
+
+    aten, prims = torch.ops.aten, torch.ops.prims
+
+    def f(g, w, x):
+        return g @ w, g.t() @ x
+
+    gen = torch.Generator().manual_seed(0)
+    g, w, x = (torch.randn(*s, generator=gen).bfloat16() for s in ((8, 5), (5, 3), (8, 4)))
+    gm = make_fx(f, tracing_mode="fake")(g, w, x)
+    _bf16_gemms_in_fp32_pass()(gm.graph)
+    gm.recompile()
+    casts = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == prims.convert_element_type.default
+             and n.args[1] == torch.float32]
+    g_node = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert [n.args[0] for n in casts].count(g_node) == 1  # g widened once
+    views = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (aten.t.default, aten.permute.default)]
+    assert [n.args[0].meta["val"].dtype for n in views if n.users] == [torch.float32]  # the transpose of the fp32 copy
+    for out, ref in zip(gm(g, w, x), (g.double() @ w.double(), g.double().T @ x.double())):
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), ref.bfloat16().double(), rtol=2 ** -7, atol=1e-6)
+
+
 @pytest.mark.parametrize("slow", [True, False])
 def test_make_step_multiplies_in_fp32_only_where_bf16_gemms_are_slow(tmp_path, monkeypatch, slow):
     """Compiled bf16 on a CPU: the pass is given to torch.compile exactly when the probe finds

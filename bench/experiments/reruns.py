@@ -15,6 +15,13 @@ Then what the rerun cost: per model, its cells' summed wall time (thread-hours: 
 one thread), and per run id (a resumed run has several) its span, from the start of its first cell
 (a row's time less its wall time) to its last row. A killed segment also spent the time from its
 last row to the kill on a cell it did not finish, which no row records: the spans are lower bounds.
+
+A run in segments pays each group's cold compiles (a model, task and width: the cells that differ
+only in the seed compile the same graphs) once per segment whose compile cache lacks them. Rows
+that record ``compile_s`` (the first step of each input shape) are also counted as one
+uninterrupted run would pay: each group's costliest ``compile_s`` (its cold compile) once, its
+cheapest (a start from the cache) for its other cells, and the makespan of the bench's queue on
+``--jobs`` workers (every group's first cell first, each cell to whichever worker is free).
 """
 
 from __future__ import annotations
@@ -73,10 +80,38 @@ def cost(rerun: list[dict]) -> tuple[dict[str, float], dict[str, tuple[float, in
     return dict(per_model), {rid: (max(e for _, e in v) - min(s for s, _ in v), len(v)) for rid, v in spans.items()}
 
 
+def uninterrupted(rerun: list[dict], jobs: int = 2) -> tuple[float, float, int]:
+    """(thread-seconds, makespan in seconds, rows without ``compile_s``) of the rerun's cells as one
+    uninterrupted run on `jobs` workers would spend them (module docstring). A row without
+    ``compile_s`` (recorded before the field) counts its wall time as it is."""
+    rows = sorted(latest(rerun).values(), key=lambda r: r["time"])
+    group = lambda r: (r["layer"], r["setting"]["task"], r["setting"]["d_model"])  # noqa: E731
+    comp = defaultdict(list)
+    for r in rows:
+        if "compile_s" in r["metrics"]:
+            comp[group(r)].append(r["metrics"]["compile_s"])
+    seen, firsts, rest = set(), [], []
+    for r in rows:
+        (rest if group(r) in seen else firsts).append(r)
+        seen.add(group(r))
+    workers, total, lacking = [0.0] * jobs, 0.0, 0
+    for r in firsts + rest:
+        c = r["metrics"].get("compile_s")
+        if c is None:
+            lacking += 1
+            t = r["wall_s"]
+        else:
+            t = r["wall_s"] - c + (max(comp[group(r)]) if r in firsts else min(comp[group(r)]))
+        total += t
+        workers[workers.index(min(workers))] += t
+    return total, max(workers), lacking
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("rerun", type=Path, help="the rerun's --out directory (or its results.jsonl)")
     p.add_argument("--published", type=Path, default=Path("leaderboards") / RESULTS)
+    p.add_argument("--jobs", type=int, default=2, help="workers of the uninterrupted run counted (default 2)")
     a = p.parse_args(argv)
     path = a.rerun / RESULTS if a.rerun.is_dir() else a.rerun
     rerun = [r for r in read_results(path) if r["suite"] == "toys"]
@@ -99,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"in all {sum(per_model.values()) / 3600:.2f} thread-hours")
     for rid, (span, n) in sorted(spans.items()):
         print(f"run {rid}: {n} rows in {span / 3600:.2f} h (first cell's start to last row; a lower bound)")
+    total, span, lacking = uninterrupted(rerun, a.jobs)
+    print(f"as one uninterrupted run: {total / 3600:.2f} thread-hours, {span / 3600:.2f} h on {a.jobs} workers"
+          + (f" ({lacking} rows without compile_s counted at their wall time)" if lacking else ""))
 
 
 if __name__ == "__main__":

@@ -456,6 +456,26 @@ cells ran slower than the first 32 had (several trained to their caps where the 
 stopped early: cells train to convergence, so a cell's wall time follows its trajectory), and the
 16 cells left project the preset to ~6.6-7.2 thread-hours, ~3.3-3.6 h on two workers: over the
 3-hour budget on this Xeon, within it (~2.8 h) on the EPYC of the published rows.
+
+Where that run's time went, counted as one uninterrupted run would pay (its 62 cells; the 10 it
+lacks at the finished run's training time x 0.82; each group's first cell compiling cold once, a
+simulation of the bench's queue on two workers): ~6.3 thread-hours, a 3.15-hour makespan. Of it
+training 4.8 (77%), cold compiles 0.95 (15%: 12-360 s a group, Ba's task's three input shapes the
+costliest, LaCT 356 s, MoM 361 s), evaluations ~0.35 (6%: fp32 eager, 1.3-2.9 s per validation of
+an MQAR cell here). Since then the bf16-products pass widens a tensor once for all its views
+(``Bf16GemmsInFp32``): 1.4-2.9% off the MQAR step, bit-identical losses; counted the same way,
+~3.1 h, still over 3 h on this Xeon. Tried and not kept (one process at a time, fresh compile
+cache; Intel Xeon, 2026-11-26): inductor's C++ wrapper (``cpp_wrapper``) was mixed (MoM's MQAR
+step 410 -> 377 ms and LaCT's cold compile 223 -> 167 s, but FwPKM's compile 86 -> 108 s, Ba's
+step 376 -> 405 ms, FWL's 508 -> 520); Ba's per-token step compiled as a graph of its own (the
+rest of the layer's loop eager) made its step ~10% faster (385 -> 344 ms, another process
+running) but added ~45 s to each cold compile: ~0.03 h off the preset. The toys' step on this
+Xeon against the fp32 eager step of 279a062, with the pass (``bench_toys --before 279a062 --reps
+2``, one thread per process, 2026-11-26): baseline 11,158-11,555 -> 17,767-18,441 tokens/s
+(1.59x, 1.60x), FwPKM 7,853-7,931 -> 13,243-14,079 (1.69x, 1.78x): short of 2x here, where it
+holds on EPYC (2.04x, 2.30x above). Rows now record ``compile_s`` (the first step of each input
+shape) and ``eval_s`` (validation and test), and ``python -m memzoo.bench.experiments.reruns``
+counts a run recorded in segments as one uninterrupted run on ``--jobs`` workers from them.
 """
 
 from __future__ import annotations
@@ -718,6 +738,8 @@ class Fit:
     stop: str  # solved | plateau | capped | diverged
     train_loss: float  # mean of the last eval_every steps
     tokens_per_s: float  # training tokens over the time of the training steps alone (the first of each shape left out)
+    compile_s: float = 0.0  # the first step of each input shape: compiles with `compile` (cold, or from the cache)
+    eval_s: float = 0.0  # the validation evaluations
 
 
 def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, device: str = "cpu",
@@ -735,7 +757,7 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
     train_step = make_step(model, opt, s.grad_clip, s.precision, s.compile)
     g = torch.Generator().manual_seed(seed)
     best, best_state, stale, stop = -1.0, None, 0, "capped"
-    losses, tokens, busy, shapes = [], 0, 0.0, set()
+    losses, tokens, busy, first, evals, shapes = [], 0, 0.0, 0.0, 0.0, set()
     model.train()
     for step in range(s.max_steps):
         x, y = (t.to(device) for t in task.batch(step, g))  # drawn on the CPU: the same data anywhere
@@ -744,6 +766,8 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
         if x.shape in shapes:  # the first step of each shape compiles (with `compile`): not in the throughput
             busy += time.perf_counter() - t0
             tokens += x.numel()
+        else:
+            first += time.perf_counter() - t0
         shapes.add(x.shape)
         losses.append(loss)
         if on_step is not None:
@@ -753,7 +777,9 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
             break
         if (step + 1) % s.eval_every and step + 1 < s.max_steps:
             continue
+        t0 = time.perf_counter()
         acc = evaluate(model, task.val, s.batch_size)
+        evals += time.perf_counter() - t0
         val = sum(acc.values()) / len(acc)
         stale = 0 if val >= best + s.min_delta else stale + 1
         if val > best:
@@ -767,7 +793,7 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
     if best_state is not None:
         model.load_state_dict(best_state)
     tail = losses[-s.eval_every:]
-    return Fit(model, max(best, 0.0), step + 1, stop, sum(tail) / len(tail), tokens / max(busy, 1e-9))
+    return Fit(model, max(best, 0.0), step + 1, stop, sum(tail) / len(tail), tokens / max(busy, 1e-9), first, evals)
 
 
 def solved(acc: dict[int, float], s: Settings) -> bool:
@@ -869,7 +895,9 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
         ctx.advance(s.max_steps - fit.steps, doing)  # the steps an early stop saved
     lr = max(fits, key=lambda k: fits[k].val)  # ties: the first candidate
     fit = fits[lr]
+    t_test = time.perf_counter()
     acc = evaluate(fit.model, task.test, s.batch_size)
+    t_test = time.perf_counter() - t_test
     x, y = task.test[task.slices[0]]
     with torch.no_grad():  # a forward, so that every memory holds its state
         fit.model.eval()(x[:2].to(ctx.device), targets=y[:2].to(ctx.device))
@@ -884,6 +912,10 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
         "converged": fit.stop in ("solved", "plateau"),
         "train_loss": round(fit.train_loss, 4),
         "tokens_per_s": round(fit.tokens_per_s),
+        # where the cell's wall time went (every lr candidate's training): the first step of each
+        # input shape (compiles, with `compile`) and the evaluations (validation and test)
+        "compile_s": round(sum(f.compile_s for f in fits.values()), 3),
+        "eval_s": round(sum(f.eval_s for f in fits.values()) + t_test, 3),
         "chance": task.chance,
         **state_size(fit.model, task.seq_len),
         "params": sum(p.numel() for p in fit.model.parameters()),
