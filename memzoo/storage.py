@@ -6,6 +6,7 @@
 * Checkpoints are read with :func:`load_tensors`, which never runs code: ``torch.load`` with
   ``weights_only=True`` accepts tensors and plain containers of numbers and strings only; any
   other pickle is refused with a one-line error.
+* A parameter whose layout changed is read from older checkpoints by :func:`load_transposed`.
 """
 
 from __future__ import annotations
@@ -86,3 +87,15 @@ def load_tensors(path: str | Path, map_location="cpu"):
     except (RuntimeError, KeyError, EOFError) as e:
         first = str(e).strip().split("\n")[0]
         raise ValueError(f"cannot read {path}: damaged, or not a torch checkpoint ({type(e).__name__}: {first})") from None
+
+
+def load_transposed(state_dict: dict, key: str, shape) -> None:
+    """For a module's ``_load_from_state_dict``: a 2-D parameter of `shape` that checkpoints saved
+    before 2026-11-26 hold transposed (with unit dimensions, as conv1d's [C, 1, c]): the tensor
+    under `key`, if it is in that old layout, is replaced by its transpose in place. (Short
+    convolutions and LaCT's q/k affine store their weights so that the channels run contiguously:
+    memzoo.ops.short_conv says why.)"""
+    w = state_dict.get(key)
+    rows, cols = shape
+    if w is not None and tuple(w.shape) != (rows, cols) and tuple(d for d in w.shape if d != 1) == (cols, rows):
+        state_dict[key] = w.reshape(cols, rows).t()

@@ -119,14 +119,66 @@ def test_short_convolution_is_the_grouped_conv1d():
 
     torch.manual_seed(0)
     xp = torch.randn(2, 3 + 9, 5, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
-    ref = F.conv1d(xp.transpose(1, 2), w[:, None], groups=5).transpose(1, 2)
+    w = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)  # taps first: [c, C]
+    ref = F.conv1d(xp.transpose(1, 2), w.t()[:, None], groups=5).transpose(1, 2)
     got = causal_conv(xp, w)
     torch.testing.assert_close(got, ref)
     g = torch.randn_like(ref)
     torch.testing.assert_close(torch.autograd.grad(got, (xp, w), g), torch.autograd.grad(ref, (xp, w), g))
-    hand = causal_conv(torch.tensor([0.0, 0.0, 1.0, 10.0, 100.0])[None, :, None], torch.tensor([[1.0, 2.0, 3.0]]))
+    hand = causal_conv(torch.tensor([0.0, 0.0, 1.0, 10.0, 100.0])[None, :, None], torch.tensor([[1.0], [2.0], [3.0]]))
     assert hand.flatten().tolist() == [3.0, 32.0, 321.0]
+
+
+def test_short_convolutions_draw_conv1d_weights_and_load_its_layout():
+    """GDN's and MoM's short convolutions store their weights taps first ([c, C]): drawn as
+    nn.Conv1d draws its [C, 1, c] weight from the same seed, and a state dict in conv1d's layout
+    (checkpoints saved before) loads into the same model."""
+    from memzoo.backbone.gdn import ShortConv
+    from memzoo.layers.mom import MoM
+
+    torch.manual_seed(0)
+    ref = torch.nn.Conv1d(6, 6, 4, groups=6, bias=False).weight  # [6, 1, 4]
+    torch.manual_seed(0)
+    conv = ShortConv(6, 4)
+    assert conv.weight.shape == (4, 6) and torch.equal(conv.weight, ref[:, 0].t())
+    old = {"weight": ref.detach() * 2}
+    conv.load_state_dict(old)
+    assert torch.equal(conv.weight, 2 * ref[:, 0].t())
+
+    torch.manual_seed(0)
+    mom = MoM(d_model=16, num_memories=2, topk=1, num_heads=2, head_dim=4, conv_size=4)
+    sd = mom.state_dict()
+    assert sd["k_conv"].shape == (4, mom.key_dim) and sd["v_conv"].shape == (4, mom.value_dim)
+    flipped = {k: (v.t().contiguous() if k in ("k_conv", "v_conv") else v) for k, v in sd.items()}
+    torch.manual_seed(1)
+    other = MoM(d_model=16, num_memories=2, topk=1, num_heads=2, head_dim=4, conv_size=4)
+    other.load_state_dict(flipped)
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in sd.items())
+
+
+def test_lact_loads_its_qk_affine_in_the_references_layout():
+    """LaCT stores its q/k scale and offset as rows [2, d_model] (q, k); a state dict in the
+    reference's [d_model, 2] layout (checkpoints saved before) loads into the same model, and the
+    affine it applies is row 0 on q, row 1 on k."""
+    from memzoo.layers.lact import LaCT
+
+    torch.manual_seed(0)
+    lact = LaCT(d_model=16, num_heads=2, chunk_size=8, rope_head_dim=8)
+    with torch.no_grad():
+        lact.qk_scale.copy_(torch.randn(2, 16))
+        lact.qk_offset.copy_(torch.randn(2, 16))
+    sd = lact.state_dict()
+    assert sd["qk_scale"].shape == (2, 16)
+    old = {k: (v.t().contiguous() if k in ("qk_scale", "qk_offset") else v) for k, v in sd.items()}
+    other = LaCT(d_model=16, num_heads=2, chunk_size=8, rope_head_dim=8)
+    other.load_state_dict(old)
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in sd.items())
+    x = torch.randn(2, 8, 16)
+    before = lact.project(x, lact.init_state(2))
+    with torch.no_grad():
+        lact.qk_scale[1] += 1.0  # k's row: q stays, k moves
+    after = lact.project(x, lact.init_state(2))
+    assert torch.equal(before["q"], after["q"]) and not torch.allclose(before["k"], after["k"])
 
 
 def test_no_mixer_sees_each_token_alone():

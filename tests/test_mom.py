@@ -41,9 +41,9 @@ def naive(layer: MoM, x: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]
     A = layer.A_log.exp()
     ys = torch.zeros(B, T, D, dtype=x.dtype)
 
-    def conv(hist, new, w):  # hist [c-1, C] (oldest first), new [C] -> conv output, new history
+    def conv(hist, new, w):  # hist [c-1, C] (oldest first), new [C], w [c, C] -> conv output, new history
         window = torch.cat([hist, new[None]], 0)  # [c, C]
-        return (window * w.T).sum(0), window[1:]
+        return (window * w).sum(0), window[1:]
 
     def features(kp, vp, hk, hv):
         if c > 1:

@@ -372,6 +372,28 @@ def test_rerun_comparison_by_hand():
     assert per_model == {"pkm": 50.0} and spans == {"a": (10.0, 2), "b": (30.0, 1)}
 
 
+def test_rerun_orders_by_hand():
+    """bench/experiments/reruns.py: the model pairs the published rows separate (disjoint 95%
+    t-intervals over at least two shared seeds), whether the rerun keeps their order, and whether
+    its own intervals separate them the other way."""
+    from memzoo.bench.experiments.reruns import orders
+
+    def rows(layer, accs):
+        return [{"suite": "toys", "preset": "standard", "layer": layer, "setting": {"task": "mqar", "d_model": 128},
+                 "seed": i, "config_hash": "h", "metrics": {"accuracy": a}} for i, a in enumerate(accs)]
+
+    # half-width of 3 seeds 0.01 apart: t(0.975, 2) * 0.01 / sqrt(3) = 0.0248
+    published = (rows("baseline", [0.50, 0.51, 0.52]) + rows("pkm", [0.90, 0.91, 0.92]) + rows("lact", [0.89, 0.90, 0.91])
+                 + rows("fwl", [0.1]))
+    rerun = (rows("baseline", [0.90, 0.91, 0.92]) + rows("pkm", [0.50, 0.51, 0.52]) + rows("lact", [0.6, 0.7, 0.8])
+             + rows("fwl", [0.9]))
+    got = {(p["above"], p["below"]): (p["same"], p["contradicts"]) for p in orders(rerun, published)}
+    # pkm/lact overlap (0.91 ± 0.025 and 0.90 ± 0.025); fwl has one seed: neither is a pair
+    # lact over baseline flips, but the rerun's lact (0.70 ± 0.248) overlaps its baseline (0.91 ± 0.025)
+    assert got == {("pkm", "baseline"): (False, True), ("lact", "baseline"): (False, False)}
+    assert all(p["same"] for p in orders(published, published))
+
+
 def test_uninterrupted_run_counted_by_hand():
     """bench/experiments/reruns.py: a run in segments counted as one: each group's costliest
     compile_s once (its first cell), its cheapest for the others, on workers taking the first cell

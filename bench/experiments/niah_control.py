@@ -131,7 +131,9 @@ if __name__ == "__main__":
     ap.add_argument("--min-needles", type=int, default=1, help="needle windows with at least this many needles")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
+    from memzoo.train import tune_cpu
+
+    tune_cpu()  # subnormals flushed, freed activations kept in the heap
     over = {k: v for k, v in {"steps": a.steps, "seq_len": a.seq_len, "train_mix": a.train_mix,
                               "answer_weight": a.answer_weight, "lr": a.lr, "batch_size": a.batch_size,
                               "betas": None if a.beta2 is None else [0.9, a.beta2]}.items() if v is not None}

@@ -11,6 +11,11 @@ interval; then seed by seed how many cells came out the same (test accuracy to 3
 and stop). Only rows with the published row's config hash are compared (the tables' rule: the
 latest row per setting and seed).
 
+Then the ranking, which is what issue 12 found flipping between two processors: per task and width,
+every pair of models whose mean test accuracies the published rows separate (disjoint 95% t-intervals
+over the seeds both runs hold, the rule of the tables' ▲/▼), and whether the rerun orders the pair
+the same way; a flip that the rerun's own intervals also separate contradicts the published table.
+
 Then what the rerun cost: per model, its cells' summed wall time (thread-hours: each worker has
 one thread), and per run id (a resumed run has several) its span, from the start of its first cell
 (a row's time less its wall time) to its last row. A killed segment also spent the time from its
@@ -70,6 +75,36 @@ def compare(rerun: list[dict], published: list[dict]) -> tuple[list[dict], dict]
     return lines, same
 
 
+def orders(rerun: list[dict], published: list[dict]) -> list[dict]:
+    """One dict per (task, width, pair of models) that the published rows separate: disjoint 95%
+    t-intervals of the mean test accuracy over the seeds both runs hold (at least two). Each says which model the
+    published rows put above (``above``, ``below``), the two runs' (mean, half-width) per model, and
+    ``same`` (the rerun's means in that order) and ``contradicts`` (the rerun's intervals separate
+    the pair the other way)."""
+    new, old = latest(rerun), latest(published)
+    acc = defaultdict(lambda: ([], []))  # (task, width, layer) -> (published accuracies, rerun accuracies)
+    for k, r in new.items():
+        if k in old:
+            for i, row in enumerate((old[k], r)):
+                acc[k[2], k[3], k[1]][i].append(row["metrics"]["accuracy"])
+    out = []
+    for (task, width) in sorted({k[:2] for k in acc}):
+        # an interval needs two seeds: a model with one is in no pair (the tables mark none either)
+        layers = layer_order(k[2] for k in acc if k[:2] == (task, width) and len(acc[k][0]) > 1)
+        stats = {m: tuple(mean_ci(v) for v in acc[task, width, m]) for m in layers}
+        for i, a in enumerate(layers):
+            for b in layers[i + 1:]:
+                (pa, ha), (ra, rha) = stats[a]
+                (pb, hb), (rb, rhb) = stats[b]
+                if pa - ha > pb + hb or pb - hb > pa + ha:
+                    hi, lo = (a, b) if pa > pb else (b, a)
+                    (_, (rh, rhh)), (_, (rl, rlh)) = stats[hi], stats[lo]
+                    out.append({"task": task, "width": width, "above": hi, "below": lo,
+                                "published": (stats[hi][0], stats[lo][0]), "rerun": ((rh, rhh), (rl, rlh)),
+                                "same": rh > rl, "contradicts": rh + rhh < rl - rlh})
+    return out
+
+
 def cost(rerun: list[dict]) -> tuple[dict[str, float], dict[str, tuple[float, int]]]:
     """(thread-seconds per model; (span in seconds, rows) per run id)."""
     per_model, spans = defaultdict(float), defaultdict(list)
@@ -94,6 +129,7 @@ def uninterrupted(rerun: list[dict], jobs: int = 2) -> tuple[float, float, int]:
     for r in rows:
         (rest if group(r) in seen else firsts).append(r)
         seen.add(group(r))
+    first_ids = {id(r) for r in firsts}
     workers, total, lacking = [0.0] * jobs, 0.0, 0
     for r in firsts + rest:
         c = r["metrics"].get("compile_s")
@@ -101,7 +137,7 @@ def uninterrupted(rerun: list[dict], jobs: int = 2) -> tuple[float, float, int]:
             lacking += 1
             t = r["wall_s"]
         else:
-            t = r["wall_s"] - c + (max(comp[group(r)]) if r in firsts else min(comp[group(r)]))
+            t = r["wall_s"] - c + (max(comp[group(r)]) if id(r) in first_ids else min(comp[group(r)]))
         total += t
         workers[workers.index(min(workers))] += t
     return total, max(workers), lacking
@@ -117,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     rerun = [r for r in read_results(path) if r["suite"] == "toys"]
     if not rerun:
         raise SystemExit(f"no toys rows in {path}")
-    lines, same = compare(rerun, read_results(a.published))
+    published = read_results(a.published)
+    lines, same = compare(rerun, published)
     hw = sorted({r["hardware"]["cpu"] for r in rerun})
     print(f"{len(rerun)} rerun rows ({', '.join(hw)}) against {a.published}\n")
     print(f"{'model':15} {'task':5} {'slice':>5}  {'published':>15}  {'rerun':>15}  seeds  inside")
@@ -128,6 +165,15 @@ def main(argv: list[str] | None = None) -> None:
     inside = sum(ln["inside"] for ln in lines)
     print(f"\nrerun means inside the published interval: {inside} of {len(lines)} slices; cells identical "
           f"(test accuracy to 3 decimals, steps, stop): {same['same']} of {same['cells']}")
+    pairs = orders(rerun, published)
+    print(f"\nmodel pairs the published rows separate (disjoint 95% intervals of mean test accuracy, "
+          f"over the seeds both runs hold): {len(pairs)}; in the same order in the rerun: "
+          f"{sum(p['same'] for p in pairs)}; separated the other way by the rerun: {sum(p['contradicts'] for p in pairs)}")
+    for p in pairs:
+        if not p["same"]:
+            ((ph, _), (pl, _)), ((rh, rhh), (rl, rlh)) = p["published"], p["rerun"]
+            print(f"  flipped: {p['task']} d={p['width']}: {p['above']} {ph:.3f} > {p['below']} {pl:.3f} published; "
+                  f"rerun {rh:.3f} ± {rhh:.3f} vs {rl:.3f} ± {rlh:.3f}" + ("  (contradicts)" if p["contradicts"] else ""))
     per_model, spans = cost(rerun)
     print("\nthread-hours per model: " + ", ".join(f"{m} {s / 3600:.2f}" for m, s in
                                                   sorted(per_model.items(), key=lambda kv: -kv[1])))

@@ -136,346 +136,58 @@ with batches of 64 learned the seed that failed every smaller setting; what that
 64 tokens hold) do not fill the GDN's state, and 128-token sequences, where they would, were not
 learned within the budget. The capacity curve therefore stays above 0.5 for the baseline.
 
-A capacity pilot (issue 12, 2026-11-25, one seed, AMD EPYC, one thread): the standard MQAR cell with
-a narrow GDN state (``toys.model: {gdn_heads: 32}``, head size 4 at width 128: 512 numbers per layer),
-so that 16 pairs exceed it. Every model was still capped at 2000 steps, test accuracy at 4 / 8 / 16
-pairs:
+Capacity: the ``capacity`` preset (zoo_configs/bench/capacity.yaml). At 64 tokens the standard
+GDN recalls all 16 pairs a sequence holds, and so does a GDN of 32 heads of 4 trained long enough
+(0.98 / 0.96 / 0.89 at 4 / 8 / 16 pairs after 6000 steps); at 128 tokens the standard GDN holds 32
+pairs; it would fall below 0.5 only past 32 pairs, at 256+ tokens, ~4x the standard cell's step.
+So the preset keeps 128 tokens (8 / 16 / 32 pairs, vocabulary 128) and shrinks the GDN's state at
+the same width: 4 heads of 16 (``toys.model: {gdn_head_dim: 16}``), 2048 numbers over the 2 layers
+instead of 8192; smaller states (heads of 8) stayed near chance for 2400-4000 steps. It solves on
+every slice at 0.995 (``solve_on: every``): at this length attention's weakest slice is the fewest
+pairs, and the mean at 0.99 stopped it below 0.99 there. Its rows: the harness is valid, the baseline
+is below 0.5 at 32 pairs in every seed (mean 0.491 / 0.345 / 0.208 at 8 / 16 / 32), FwPKM per
+sequence is above it in the mean at every count (0.535 against 0.208 at 32 pairs) but capped in
+every seed, with intervals wider than the gap. At this state size whether a seed leaves MQAR's flat
+phase within the budget decides a cell, for every model: ``fwpkm/shared``'s seed 0 at chance is the
+whole model still in the flat phase, not a read of the shared memory hiding recall (``python -m
+memzoo.bench.experiments.fwpkm_sharing --capacity 0``). The pilots and the runs, with their numbers:
+bench/experiments/toys_log.md, "Capacity".
 
-    baseline (GDN)        0.456 0.340 0.219   train loss 2.19
-    fwpkm (per sequence)  0.592 0.399 0.206   train loss 2.13
-    fwpkm/shared          0.498 0.345 0.192   train loss 2.42
-
-So the narrow GDN does fall below 0.5, but within this budget nothing converged, and FwPKM adds
-little (+0.14 at 4 pairs, nothing at 16). Trained on to 6000 steps (the next session, same cell,
-seed 0, one thread, ~0.33 s a step), the narrow GDN was still learning, not at a capacity limit
-(validation accuracy at 4 / 8 / 16 pairs):
-
-    step 1000  0.074 0.070 0.052      step 4000  0.931 0.827 0.635
-    step 2000  0.185 0.128 0.106      step 5000  0.977 0.926 0.812
-    step 3000  0.600 0.387 0.225      step 6000  0.983 0.957 0.882   test 0.980 0.961 0.890
-
-So 16 pairs in 64 tokens do not exceed even 512 numbers of GDN state per layer once trained long
-enough: at this length shrinking the state only slows learning, and a capacity curve that reaches
-the baseline's 0.5 needs more pairs, hence longer sequences.
-
-Longer sequences (the same session, seed 0, 128 tokens, vocabulary 128 so that 32 keys can be
-distinct, 8 / 16 / 32 pairs, validation accuracy; both runs stopped by hand):
-
-    GDN of the standard cell (4 heads of 32)   step 1300: 0.973 0.986 0.960, still rising
-    narrow GDN (32 heads of 4)                 step 1800: 0.061 0.038 0.031, still at chance
-
-    GDN of the standard cell, 256 tokens, vocabulary 256, 16 / 32 / 64 pairs
-                                               step 2300: 0.042 0.027 0.018, still in the flat phase
-                                               (~1 s a step with another process on the second core)
-
-So at width 128 the GDN holds 32 pairs in 128 tokens, and the narrow one does not learn the longer
-task within a budget of this size. Where the baseline falls below 0.5 is past 32 pairs: 256 or more
-tokens (64+ pairs), about 4x the standard cell's step time, some 30 min a cell on one thread.
-
-Capacity: the ``capacity`` preset (zoo_configs/bench/capacity.yaml). Rather than lengthen the
-sequences past what a CPU trains, it keeps 128 tokens (8 / 16 / 32 pairs, vocabulary 128) and
-shrinks the GDN's state at the same width: 4 heads of 16 (``toys.model: {gdn_head_dim: 16}``; a
-set head size is kept, not scaled with the width), 2048 numbers over the 2 layers instead of 8192.
-Pilots (the next session, seed 0, lr 3e-3, AMD EPYC, one thread, two pilots at a time; validation
-accuracy unless marked *test*):
-
-    64 tokens, vocab 64, 4 / 8 / 16 pairs   1 head of 8     step 4000: 0.063 0.047 0.042 (chance is 0.031)
-                                            2 heads of 8    step 4000: 0.238 0.124 0.076, test 0.240 0.130 0.074
-    128 tokens, vocab 128, 8 / 16 / 32      4 heads of 8    step 2400: 0.040 0.032 0.022, still at chance
-                                            4 heads of 16   step 1000: 0.038 0.034 0.027
-                                                            step 1600: 0.538 0.327 0.154
-                                                            step 2200: 0.664 0.480 0.260
-                                                            step 3000: 0.720 0.560 0.332
-                                                            step 4000: 0.756 0.616 0.402 (the lr at its floor),
-                                                            test 0.767 0.606 0.395 (27,000 tokens/s)
-
-So the smallest GDN states do not learn MQAR within a CPU budget at all, and 4 heads of 16 learn it
-and then climb slowly, further the fewer pairs a sequence holds: a capacity slope, below 0.5 at 32
-pairs. Whether that slope is the state's limit or the budget's is what the cap marks: a capped
-cell says the budget stopped it. FwPKM per sequence on the same backbone was still at chance at
-1600 steps (stopped by hand), later than the GDN alone (which left chance at 1200-1400).
-
-The preset's first run (2026-11-25, AMD EPYC, 2 workers of one thread; the standard rule then:
-solved when the slices' mean reached 0.99), test accuracy at 8 / 16 / 32 pairs:
-
-    baseline        seed 0  0.757 0.592 0.385   3700 steps, plateau
-                    seed 1  0.161 0.098 0.054   3100, plateau (never left the flat phase for good)
-                    seed 2  0.556 0.344 0.187   3200, plateau
-    fwpkm           seed 0  0.571 0.356 0.185   4000, capped
-                    seed 1  0.957 0.944 0.886   4000, capped
-    ctrl:attention  seeds 0 / 1 / 2 at 8 pairs: 0.988 / 0.993 / 0.988 (at 32: 0.999-1.000), solved at 300
-
-So the baseline is below 0.5 at 32 pairs in every seed, but how far it gets first is again
-seed-dependent: a small state makes MQAR's transition late and erratic (seed 1). And the positive
-control, stopped at the first evaluation whose mean crossed 0.99, sat at the threshold on its
-weakest slice, which is the *fewest* pairs for attention (a mixed batch holds 4x more queries of 32
-pairs than of 8): below the 0.99 at the easiest slice that makes the harness valid, in two seeds of
-three. The preset therefore solves on every slice at 0.995 (``solve_on: every``, ``target: 0.995``),
-a new config for every cell, and the rows above are superseded as the run under it records its own.
-
-The run under that rule (2026-11-25, AMD EPYC, 2 workers of one thread; the baseline's and FwPKM's
-seeds 0-1 were recorded by the session before, each the same number as in the first run: training
-is deterministic here), test accuracy at 8 / 16 / 32 pairs:
-
-    ctrl:attention  seed 0  0.993 0.999 1.000   2000 steps, plateau (validation mean 0.998, a slice below 0.995)
-                    seed 1  0.995 0.999 1.000    500, solved
-                    seed 2  0.995 0.999 1.000    400, solved
-    ctrl:none       seeds 0-2: 0.014-0.016 at every count (chance 2/128 = 0.016), 2000, plateau
-    baseline        seed 0  0.757 0.592 0.385   3700, plateau
-                    seed 1  0.161 0.098 0.054   3100, plateau
-                    seed 2  0.556 0.344 0.187   3200, plateau
-    fwpkm           seed 0  0.571 0.356 0.185   4000, capped
-                    seed 1  0.957 0.944 0.886   4000, capped
-                    seed 2  0.549 0.545 0.533   4000, capped
-    fwpkm/shared    seed 0  0.019 0.020 0.018   2000, plateau
-                    seed 1  0.982 0.941 0.757   3900, plateau
-                    seed 2  0.685 0.519 0.324   4000, capped
-
-So the harness is valid (the positive control at 0.993 or more on 8 pairs in every seed, the negative
-one at chance), and the baseline is below 0.5 in the mean at every count (0.491 / 0.345 / 0.208) and
-at 32 pairs in every seed. What the curve measures is not yet the state's capacity alone: the
-baseline stopped on a plateau in every seed but at levels that differ by seed more than by pairs
-(seed 1 never left the flat phase), and FwPKM was capped in every seed, so its numbers are lower
-bounds set by the budget. FwPKM per sequence is above the baseline in the mean at every count, most
-at 32 pairs (0.535 against 0.208), but the intervals over three such seeds are wider than the gap
-(no ▲); paired by seed (the same initial backbone and batches), FwPKM minus the baseline at 32
-pairs is -0.200, +0.832, +0.346. The shared memory's mean (0.562 / 0.493 / 0.366) lies between the two,
-its seeds spread from chance to 0.982. FwPKM's memory (266,240 numbers per sequence) is far from full at 32
-pairs: what limits it here is learning to use it within 4000 steps, not its size.
-
-Why ``fwpkm/shared`` seed 0 sits at chance, below the baseline's same seed (0.757 at 8 pairs).
-``python -m memzoo.bench.experiments.fwpkm_sharing --capacity 0`` retrains that cell (the same
-2000 steps, plateau and test accuracy as its row) and reads the test set three ways with the same
-slow weights: as trained 0.019 / 0.020 / 0.018; with a memory per sequence at test time 0.019 /
-0.020 / 0.018; with the memory's output removed (the GDN alone) 0.017 / 0.019 / 0.018; mean write
-gate 0.90. So no read of the shared memory hides recall that the GDN learned: the whole model is
-still in MQAR's flat phase when the plateau rule stops it at ``min_steps``, which is how seed 1 of
-the baseline ends too (0.161). The shared memory can delay that transition (the 64-token diagnosis
-above: its batch-mixed reads are noise in the residual stream), but it does not prevent it: seed 1
-of ``fwpkm/shared`` learned and ends far above the baseline's seed 1 (0.982 against 0.161 at 8 pairs).
-At this state size whether a seed leaves the flat phase within the budget decides a cell, for
-every model; more seeds or a longer ``min_steps`` would narrow the intervals, at 17-37 min a cell (the rows' wall times).
-
-Reproducibility (issue 12). PKM's standard cells re-run with a fresh seed set (seeds 100-102, the
-toys suite called for PKM alone, same config hashes; AMD EPYC, one thread, 2026-11-25), beside the
-published seeds 0-2 (mean ± 95% t half-width):
-
-    cell        published (0-2)   fresh (100-102)   fresh mean inside the published interval
-    MQAR kv=4   0.990 ± 0.007     0.989 ± 0.004     yes
-    MQAR kv=8   0.991 ± 0.002     0.992 ± 0.000     yes
-    MQAR kv=16  0.995 ± 0.004     0.996 ± 0.004     yes
-    AR 4 pairs  1.000 ± 0.000     1.000 ± 0.000     yes
-    AR 8        0.997 ± 0.011     0.996 ± 0.010     yes
-    AR 12       0.977 ± 0.013     0.971 ± 0.044     yes
-
-All six fresh cells were solved (MQAR in 500-1500 steps, AR in 700-1600). This was the same processor
-as the published rows, so it checks the seed spread, not portability to another CPU.
-
-Portability: the standard toys re-run on another processor (Intel Xeon with AMX bf16; the published
-rows are AMD EPYC), the same configs and seeds, ``memzoo bench --preset standard --layers all --suite
-toys --resume --jobs 2 --out leaderboards/reruns/standard-toys-2026-11-25``, read with
-``python -m memzoo.bench.experiments.reruns leaderboards/reruns/standard-toys-2026-11-25``. The first
-segment (62 min) recorded the baseline, both controls and MoM's MQAR cells (21 rows): 20 of 21 slice
-means lie inside the published 95% intervals (the exception: ctrl:attention at 8 pairs, 0.997 against
-0.998 ± 0.001), but only 8 of the 21 cells came out identical (same test accuracy to 3 decimals,
-steps and stop), the controls among them. The others took other paths: the baseline's MQAR seed 0,
-capped at 2000 steps at 0.900 on EPYC, was solved at 1500 steps (0.993) on the Xeon. Training is
-deterministic on one machine, not across processors (bf16 matmuls round differently), and the
-intervals, not single seeds, are what carries over. Two later segments (2026-11-25, codes 0b72ca1
-and d6c00cf) added 21 cells, each layer's first seed of both tasks and FWL's three MQAR seeds:
-42 of the 78 cells in 4.85 thread-hours and 2.66 h of the three segments' spans. Seeds again
-took other paths: Ba's MQAR seed 0, at chance on EPYC (capped), was solved on the Xeon (0.99 at
-1000 steps); FWL with its one segment solved all three MQAR seeds (0.990-0.991 at 600-1800 steps).
-The 36 cells left took 2.65 thread-hours on EPYC, so the whole preset is ~7.5 thread-hours on this
-Xeon: ~3.8 h on two workers, not yet the 3 h the preset is meant for.
+Reproducibility. ``python -m memzoo.bench.experiments.reruns DIR`` reads a rerun (``memzoo bench
+--suite toys --out DIR``, the same configs and seeds) beside the published rows: each slice's mean
+against the published 95% interval, the model pairs the published intervals separate and whether
+the rerun keeps their order, and what the rerun cost. Training is deterministic on one machine, not
+across processors (matmuls round differently), and MQAR training is chaotic: on another processor
+single seeds take other paths (a seed capped at chance on one was solved on the other), and the
+intervals over seeds are what carries over. PKM's cells with a fresh seed set (seeds 100-102, AMD
+EPYC, as published): all six slice means inside the published intervals. The whole preset re-run on
+an Intel Xeon (``leaderboards/reruns/standard-toys-2026-11-26``): 64 of 78 slice means inside (the
+others mostly single rerun seeds against a zero-width published interval), and of the 36 model pairs
+whose published intervals are disjoint, 35 in the same order and none separated the other way. The
+runs: bench/experiments/toys_log.md, "Reproducibility".
 
 Speed. Toy training runs in bf16 autocast with torch.compile (``precision``, ``compile``; the
-losses of fp32 eager within 0.01 after 40 steps for every layer; evaluation stays fp32 eager),
-GDN chunks of 16 (``model.gdn_chunk``) and FwPKM's faster layer code. Memory layers whose forward
-is a Python loop over tokens (Ba) or takes gradients inside (FWL) run eager inside the compiled
-model. ``python -m memzoo.bench.benchmarks.bench_toys`` times one step per setting, and with
-``--before 279a062`` the standard MQAR cell's step as the code trained it when issue 12 asked for
-2x (fp32 eager, GDN chunk 64), against this code, alternating (AMD EPYC, one thread a side,
-nothing else running; 2026-11-25):
+losses of fp32 eager within 0.01 after 40 steps for every layer; evaluation stays fp32 eager), with
+GDN chunks of 16 (``model.gdn_chunk``). Memory layers whose forward is a Python loop over tokens
+(Ba) or takes gradients inside (FWL's head loss) run that part eager inside the compiled model. On
+a CPU whose bf16 GEMM is the slower (``memzoo.train.cpu_bf16_gemm_is_slow``, timed at the start of
+each process; rows record it as ``hardware.bf16_gemm_in_fp32``) the compiled step multiplies the
+same bf16 operands in fp32 (``memzoo.train.Bf16GemmsInFp32``), as oneDNN's bf16 GEMM sums in fp32:
+configs and hashes stay. ``python -m memzoo.bench.benchmarks.bench_toys --before 279a062`` times the
+standard MQAR cell's step as the code trained it when issue 12 asked for 2x (fp32 eager, GDN chunk
+64) against this code, alternating, one thread a side:
 
-    model      279a062 (tokens/s)   this code (tokens/s)   ratio (3 runs)      median
-    baseline   11,054-11,375        22,694-22,925          2.04 2.07 2.00      2.04x
-    fwpkm       7,966- 8,367        18,821-19,208          2.27 2.30 2.41      2.30x
+    processor                                  baseline (GDN)   FwPKM
+    AMD EPYC (2026-11-25)                      2.04x            2.30x    (22.7-22.9k, 18.8-19.2k tokens/s)
+    Intel Xeon, avx512_bf16, no AMX (11-26)    1.59x            1.73x    (17.8-18.4k, 13.2-14.1k tokens/s)
 
-(An earlier run of the same command with a one-thread pilot busy on the other core: 2.01x and
-2.41x, the baseline's three runs 1.93-2.06x.)
-
-Three profiled changes made the last part of it: GDN's chunk algebra solves for (I + A)⁻¹
-(C right-hand sides) and multiplies once, instead of solving for V + K of them; a non-finite
-token is zeroed on entry and its outputs set to NaN on exit (``gated_delta_rule_chunked``), where
-NaN-safe masked matmuls (isfinite, where and a cumulative sum around every matmul) had cost about
-20 ms of a 200 ms step; and FwPKM's reset runs outside compiled graphs, where the in-place refill
-of its per-sequence values (64 × 4096 × 64 numbers) had become a fresh clone, 35 ms a step. Same
-accuracy: over the first 60 steps (same seed and batches) the losses of the two versions agree
-within 0.006 for both models; the baseline's seed-0 cell retrained by this code ends where its
-published row did (test 0.856 / 0.913 / 0.924, mean 0.898, capped at 2000 steps; published
-0.883 / 0.923 / 0.893, mean 0.900, capped at 2000). FwPKM's seed-0 cell did not: published capped
-at 2000 steps still low (mean 0.153), retrained it was solved at 1500 (0.990). The arithmetic is the
-same to rounding (the loss curves above), and that is the chaos the seeds measure: whether a seed
-leaves the flat phase within the cap moves with rounding-level changes (its published seeds 1-2
-reached 0.980 and 0.933), which is why the published rows are means with intervals over seeds.
-
-The costliest layers of the standard preset (2026-11-25; the published rows' wall times summed
-7.1 thread-hours: MoM 1.39, FwMLP/clip 1.03, FWL 0.92, Ba 0.86). Measured on an Intel Xeon, one
-thread a process, before and after in one run:
-
-- MoM, compiled, padded its memories' token lists to the busiest memory's count: a data-dependent
-  size, so a recompilation at every new value until dynamo's limit (8), then eager. Compiled it
-  now pads to T (the same function: ``test_compiled_path_pads_every_memory_to_the_sequence_and_agrees``).
-  Its three standard MQAR cells, re-run on the Xeon: 7.2-7.3k tokens/s and 2,124 thread-seconds,
-  against 3.9-5.2k and 3,160 in the published rows (EPYC: indicative only).
-- FWL ran its whole forward eager, because one part (the gradient of the head's loss with
-  ``create_graph``) cannot be compiled; now only that part is eager: the MQAR step 2,783 -> 4,776
-  tokens/s (1.72x), AR 2,883 -> 3,942 (1.37x). In fp32 the compiled and eager models' gradients
-  agree within 1e-4 (relative); in bf16 the first losses agree to 0.001.
-- FwMLP's write takes its gradient by hand (``swiglu_grads``, tested against autograd to first and
-  second order) instead of ``autograd.grad``, so the layer compiles whole: fwmlp/clip's MQAR step
-  7,522 -> 9,364 tokens/s (1.24x), the first losses within 0.0013.
-- Every memory model compiled twice: an attribute (``_held``) that appeared after the first
-  forward changed a guard. It is set in ``MemoryLayer.__init__`` now.
-- ``memzoo bench`` gives each toy cell to whichever worker is free (the static share of layers
-  per worker it replaces gave its two workers 3.25 and 3.87 hours of the recorded cells), and its
-  workers share one compile cache. The first seed of every cell goes before the second seed of
-  any: queued side by side, two workers compiled the same graphs at once.
-- FWL keeps its 256-token segment (see "Update chunks"): the layer's forward and backward 3x
-  faster than with chunks of 8. Its published rows are the six cells of this config from the
-  rerun of "Portability" (Intel Xeon; all six solved: MQAR 0.990 ± 0.002 in 600-1800 steps, AR
-  0.994 ± 0.001 in 800-1100), which replaced the chunk-8 rows (EPYC: MQAR 0.981 ± 0.047 with one
-  seed capped, AR 0.988 ± 0.006; still in results.jsonl). Compiled in bf16 with
-  its state update inside the graph, its input gradients came out NaN (the first cell diverged
-  at step 2); the update now runs eager (``test_compiled_bf16_gradients_are_finite_and_agree``),
-  and the first MQAR cell solved in 600 steps (0.991).
-- The short convolutions (GDN's q, k and v, the attention control's, MoM's k and v) run as four
-  shifted multiply-adds (:mod:`memzoo.ops.short_conv`, tested against conv1d) that torch.compile
-  fuses with the SiLU, not as a grouped conv1d, whose backward is a slow path of its own on a CPU
-  (6 ms for each [64, 67, 128] convolution, six a step). The baseline's standard MQAR step:
-  334 -> 289 ms (one thread, the two versions alternating in one process beside another busy
-  process; Intel Xeon, Cooper Lake; the losses at step 40: 3.4823 and 3.4832).
-- MoM's delta rule in chunks of 16 instead of 64: its standard MQAR step 558 -> 500 ms.
-- Training processes (a bench worker, ``memzoo train``) keep freed blocks of up to 32 MiB in the
-  heap (``memzoo.train.tune_cpu``, glibc's ``mallopt``): a fresh process's step had faulted in its
-  activations' pages afresh every time, 6,453 page faults in the baseline's standard MQAR step
-  (264 -> 255 ms) and 17,564 in MoM's (450 -> 416 ms; Intel Xeon, Cooper Lake, 2026-11-26). A
-  long-lived worker got part of the way alone (glibc raises its threshold as large blocks are freed).
-- FWL takes each fast matrix's in-chunk sum and its bias's (an exclusive cumsum) in one strictly
-  causal matmul, and a non-finite position is zeroed on entry and the outputs after it set to NaN,
-  instead of a NaN-safe masked matmul and two exclusive cumsums per matrix (aten's CPU cumsum along
-  dim 1 of [64, 64, 512]: ~9 ms, four a step). The layer alone at the toy size (64 x 64 tokens,
-  forward and backward): fp32 eager 471 -> 277 ms, compiled bf16 426 -> 359 ms; float64 outputs and
-  input gradients equal to 1e-12. The whole standard MQAR step: 588-616 -> 557-571 ms (fresh
-  one-thread processes alternating, nothing else running; Intel Xeon, Cooper Lake, 2026-11-26).
-
-Where the rest of a step goes (Intel Xeon, Cooper Lake: avx512_bf16, no AMX; 2026-11-26). Matmuls
-are half of the baseline's step, and here they run in bf16 at ~82 GFLOPS against 110-164 in fp32
-(one thread, 4096 x 128 x 384; oneDNN's brg_matmul:avx512_core_bf16): bf16 autocast, chosen on a
-processor where it was faster, costs on this one, but the precision is part of every cell's config
-and stays. How much it costs, the standard MQAR step compiled in fp32 against bf16 (one process,
-nothing else running, 2026-11-26): baseline 219 / 271 ms, FWL 565 / 655, MoM 423 / 425, LaCT
-370 / 419, Ba 344 / 435, PKM 282 / 325, FwPKM 302 / 329, fwpkm/shared 264 / 311, fwmlp/clip
-335 / 354, linear 239 / 283, ctrl:attention 151 / 264. Applied to the training part (~3/4) of the
-published rows' 7.55 thread-hours, fp32 would make the preset ~6.8 thread-hours here: ~3.4 h on
-two workers, still over 3 h, so the precision alone does not decide the budget. Inductor's C++
-GEMM templates (max-autotune) did not speed the step (342 against 349 ms). A group's first cell
-compiles cold: 45-120 s per input shape (Ba's task has three: 160 s for the baseline, 254 s for
-MoM, 317 s for LaCT); compiling it with a symbolic length was slower still
-(over 6 min for the baseline; stopped), and g++ at -O1 or -O2 instead of -O3 did not shorten a
-compile (78 and 77 s against 73). Compiling each block on its own (regional compilation: the
-baseline's two GDN blocks share one graph, and every model's first block is the baseline's, from
-the run's compile cache) cut cold compiles of the MQAR cell (baseline 98 -> 69 s, PKM 67 -> 39 s,
-LaCT 235 -> 185 s, FWL 47 -> 45 s) but slowed every step by 3-4% (baseline 254-258 -> 262-266 ms,
-PKM 299-316 -> 317-325 ms: the embedding, final norm, head and loss ran eager), a wash over a cell's
-~1000 steps; not done. Evaluation (fp32 eager, every 100 steps) costs 4-8% of training.
-
-Since a3736a1 a compiled bf16 step on a CPU whose bf16 GEMM is the slower (timed at the start of
-each process, ``memzoo.train.cpu_bf16_gemm_is_slow``; this Xeon, one thread: 1.4-3.4x slower than
-fp32 at the toys' shapes) multiplies the same bf16 operands in fp32 (an inductor post-grad pass,
-``Bf16GemmsInFp32``): oneDNN's bf16 GEMM sums in fp32 too, so the configs and their hashes stay
-and the rows stay comparable (where an operand or product is computed in the same fused kernel,
-inductor then keeps it in fp32 instead of rounding it to bf16, as it does between any two fused
-ops). The standard MQAR step, both versions compiled in one process and alternating (Intel Xeon,
-one thread, 2026-11-26), in ms: baseline 246 -> 206 (1.19x), FwPKM 316 -> 287 (1.10x), LaCT
-386 -> 357 (1.08x); with the pass's first version (an fp32 copy per product, not per operand):
-linear 1.16x, ctrl:attention 1.17x, Ba, PKM 1.10x, MoM 1.06x. Those figures rewrote the batched
-products (bmm, baddbmm) too; since 9defac7 the pass rewrites mm and addmm only: the batched ones
-gained nothing (MQAR step, mm/addmm only against all four: baseline 206 vs 213 ms, LaCT 350 vs
-371, FwPKM 300 vs 315, MoM 384 vs 388), and rewriting them made FwMLP's Ba-task gradients NaN
-from the first step at 27 tokens (inductor saved two bf16 copies of its per-sequence fast weights
-for the backward as garbage; it took bmm and baddbmm rewritten together, and no fusion or
-buffer-reuse setting changed it). With mm/addmm only its losses match the plain bf16 step's
-(3.663, 3.591, 3.542, 3.321, 3.192, 3.044 against 3.664, 3.587, 3.540, 3.309, 3.190, 3.022). The
-probe now times the thread's CPU time: in wall time a busy neighbour's ~4 ms time slices flipped
-it (one call in four said "not slow" on this Xeon while a bench ran). Rows record its answer
-(``hardware.bf16_gemm_in_fp32``).
-
-In a whole run the short-convolution and MoM changes above did not show. A fresh timed run of this code (2026-11-26,
-``--jobs 2``, a new compile cache, nothing else on the cores; ``--out
-leaderboards/reruns/standard-toys-2026-11-26``) recorded the baseline's, the controls' and the
-first MQAR cells of FWL and MoM, 20 cells, in 43 min: 1.26 thread-hours, 0.278 s per step
-(evaluations and compiles included), against 1.20 thread-hours and 0.282 s per step for the
-same 20 cells in the rerun of 2026-11-25 on a Xeon of the same name. Two workers and their
-compiles share the two cores, and a machine lent on another day is not the same machine: a
-13% faster step measured alone is within that spread. On this Xeon the toys' step is also only
-1.33x (GDN) and 1.51x (FwPKM) faster than the fp32 eager step of 279a062 (``bench_toys --before
-279a062``; 2.04x and 2.30x on EPYC): its bf16 matmuls are slower than its fp32 ones. The whole
-preset remains ~7.5 thread-hours here, ~3.8 h on two workers.
-
-The same run resumed once more (2026-11-26, 07:06-08:43, nothing else on the cores; ``fwmlp/clip``
-now out of the preset; each group's first cell still to run queued first, see ``parts``): 22 more
-cells in 1.60 h, 58 of the preset's 72 in 6.56 thread-hours. The 14 left (seed 2 of nine groups),
-counted at their seed-1 cells' wall time, add ~1.7: ~8.2 thread-hours, ~4 h on two workers on this
-Xeon, where the published rows (AMD EPYC; MoM at its current speed, FWL at its Xeon rows') come to
-~5.6 without ``fwmlp/clip``, ~2.8 h. So the 3-hour budget holds on the EPYC the rows were measured
-on, by that estimate, and not on this Xeon, whose bf16 matmuls are slow: the precision is part of
-every cell's config, and fp32 (~12% faster here, 1.3x slower on EPYC) would not close the gap.
-Of the rerun's slice means, 64 of 78 lie inside the published 95% intervals (the 14 outside are
-mostly cells with one or two rerun seeds against a zero-width published interval).
-
-That run, finished (2026-11-26, 09:28-09:56: the last nine cells), holds all 72 cells of the
-preset in 8.18 thread-hours, but it ran in seven segments, each with a compile cache of its own, so
-most groups compiled their graphs cold once per segment: counted with one cold compile per group
-(as one uninterrupted run pays), ~7.0-7.2 thread-hours. Bench runs now keep their compile cache in
-the work dir (``memzoo.bench.run.compile_cache``), so a resumed run pays what one run pays. A new
-timed run of this code with the bf16 products in fp32 (above; ``--out
-leaderboards/reruns/standard-toys-2026-11-26-fp32gemm``, one uninterrupted segment from 10:25,
-nothing else on the cores but the commands of this session's work) recorded its first 32 cells
-(every MQAR group's first seed, the baseline's and the controls' six cells each, and the first AR
-cells) in 2.51 thread-hours, where the same cells of the finished run took 3.13 (training alone:
-1.83 against 2.39); their cold compiles averaged 116 s a cell, a warm cell's start and
-evaluations 10 s. Counted at that training ratio (0.77) and those overheads, the 40 cells left
-bring the preset to ~5.4 thread-hours, ~2.7 h on two workers: within the 3-hour budget on this
-Xeon by that estimate, which its finished run will have to confirm. It did not: the same run
-resumed after 9defac7 (its two fwmlp cells, made by the pass that broke FwMLP, dropped; 13:27-14:43,
-every group compiling cold once more, the pass's cache key having changed) holds 56 cells in 5.53
-thread-hours, 0.86 of the same cells' time in the finished run (training alone 0.80). The later
-cells ran slower than the first 32 had (several trained to their caps where the finished run's
-stopped early: cells train to convergence, so a cell's wall time follows its trajectory), and the
-16 cells left project the preset to ~6.6-7.2 thread-hours, ~3.3-3.6 h on two workers: over the
-3-hour budget on this Xeon, within it (~2.8 h) on the EPYC of the published rows.
-
-Where that run's time went, counted as one uninterrupted run would pay (its 62 cells; the 10 it
-lacks at the finished run's training time x 0.82; each group's first cell compiling cold once, a
-simulation of the bench's queue on two workers): ~6.3 thread-hours, a 3.15-hour makespan. Of it
-training 4.8 (77%), cold compiles 0.95 (15%: 12-360 s a group, Ba's task's three input shapes the
-costliest, LaCT 356 s, MoM 361 s), evaluations ~0.35 (6%: fp32 eager, 1.3-2.9 s per validation of
-an MQAR cell here). Since then the bf16-products pass widens a tensor once for all its views
-(``Bf16GemmsInFp32``): 1.4-2.9% off the MQAR step, bit-identical losses; counted the same way,
-~3.1 h, still over 3 h on this Xeon. Tried and not kept (one process at a time, fresh compile
-cache; Intel Xeon, 2026-11-26): inductor's C++ wrapper (``cpp_wrapper``) was mixed (MoM's MQAR
-step 410 -> 377 ms and LaCT's cold compile 223 -> 167 s, but FwPKM's compile 86 -> 108 s, Ba's
-step 376 -> 405 ms, FWL's 508 -> 520); Ba's per-token step compiled as a graph of its own (the
-rest of the layer's loop eager) made its step ~10% faster (385 -> 344 ms, another process
-running) but added ~45 s to each cold compile: ~0.03 h off the preset. The toys' step on this
-Xeon against the fp32 eager step of 279a062, with the pass (``bench_toys --before 279a062 --reps
-2``, one thread per process, 2026-11-26): baseline 11,158-11,555 -> 17,767-18,441 tokens/s
-(1.59x, 1.60x), FwPKM 7,853-7,931 -> 13,243-14,079 (1.69x, 1.78x): short of 2x here, where it
-holds on EPYC (2.04x, 2.30x above). Rows now record ``compile_s`` (the first step of each input
-shape) and ``eval_s`` (validation and test), and ``python -m memzoo.bench.experiments.reruns``
-counts a run recorded in segments as one uninterrupted run on ``--jobs`` workers from them.
+On that Xeon fp32 GEMMs run at ~170 GFLOPS on one thread and bf16 ones at half of it (4096 x 128 x
+384, 2026-11-26), so the fp32 eager step of 279a062 is relatively fast there, and the GEMMs of the
+compiled step, in fp32, are near that peak already: ~80 ms of the baseline's ~210 ms (torch.profiler). Counted as one uninterrupted run on two workers
+(``reruns``), the standard toys take ~2.8 h on the EPYC of the published rows and ~3.1 h on that
+Xeon, where training is ~77% of the time, cold compiles ~15% (12-360 s a group; Ba's task, three
+input shapes, the costliest) and evaluations ~6%. What each change gained and what was tried and
+not kept, measured: bench/experiments/toys_log.md, "Speed" and "The standard preset's budget".
 """
 
 from __future__ import annotations

@@ -22,23 +22,31 @@ from torch import Tensor, nn
 
 from memzoo.ops.gated_delta_rule import gated_delta_rule
 from memzoo.ops.short_conv import causal_conv
+from memzoo.storage import load_transposed
 
 
 class ShortConv(nn.Module):
-    """Causal depthwise conv1d + SiLU whose left context streams across calls."""
+    """Causal depthwise conv1d + SiLU whose left context streams across calls. Its weight is
+    stored taps first, [size, dim] (`memzoo.ops.short_conv` says why), drawn as nn.Conv1d draws
+    its [dim, 1, size] weight."""
 
     def __init__(self, dim: int, size: int = 4):
         super().__init__()
         self.size = size
-        self.weight = nn.Parameter(torch.empty(dim, 1, size))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        w = torch.empty(dim, 1, size)
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        self.weight = nn.Parameter(w[:, 0].t().contiguous())
 
     def forward(self, x: Tensor, past: Tensor | None) -> tuple[Tensor, Tensor]:
         # x [B, T, D]; past [B, size-1, D] = the previous call's last inputs (zeros at start)
         if past is None:
             past = x.new_zeros(x.shape[0], self.size - 1, x.shape[2])
         xp = torch.cat([past, x], dim=1)
-        return F.silu(causal_conv(xp, self.weight[:, 0])), xp[:, -(self.size - 1) :].detach()
+        return F.silu(causal_conv(xp, self.weight)), xp[:, -(self.size - 1) :].detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        load_transposed(state_dict, prefix + "weight", self.weight.shape)  # conv1d's [dim, 1, size] before
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class GatedDeltaNet(nn.Module):

@@ -106,6 +106,7 @@ from torch import Tensor, nn
 from memzoo.layers.base import MemoryLayer, State
 from memzoo.ops.gated_delta_rule import gated_delta_rule
 from memzoo.ops.short_conv import causal_conv
+from memzoo.storage import load_transposed
 from memzoo.registry import register_layer
 
 
@@ -213,10 +214,11 @@ class MoM(MemoryLayer):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
         if conv_size > 1:  # depthwise causal convs, shared by all memories (and the shared memory)
-            self.k_conv = nn.Parameter(torch.empty(key_dim, conv_size))
-            self.v_conv = nn.Parameter(torch.empty(value_dim, conv_size))
-            for w in (self.k_conv, self.v_conv):  # nn.Conv1d's default init (fan_in = conv_size)
-                nn.init.kaiming_uniform_(w.view(w.shape[0], 1, conv_size), a=math.sqrt(5))
+            def conv_weight(n: int) -> nn.Parameter:  # taps first, [conv_size, n] (memzoo.ops.short_conv),
+                w = torch.empty(n, 1, conv_size)  # drawn as nn.Conv1d draws its [n, 1, conv_size] weight
+                return nn.Parameter(nn.init.kaiming_uniform_(w, a=math.sqrt(5))[:, 0].t().contiguous())
+
+            self.k_conv, self.v_conv = conv_weight(key_dim), conv_weight(value_dim)
         self.g_proj = nn.Linear(d_model, value_dim, bias=False)  # output gate
         self.o_norm_weight = nn.Parameter(torch.ones(self.head_v_dim))
         self.o_proj = nn.Linear(value_dim, d_model, bias=False)
@@ -417,6 +419,12 @@ class MoM(MemoryLayer):
             for m, f in enumerate(self._last_usage.tolist()):
                 out[f"usage/mem{m}"] = f
         return out
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.conv_size > 1:  # [dim, conv_size] before
+            for name in ("k_conv", "v_conv"):
+                load_transposed(state_dict, prefix + name, getattr(self, name).shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (
