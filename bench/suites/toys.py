@@ -177,16 +177,21 @@ configs and hashes stay. ``python -m memzoo.bench.benchmarks.bench_toys --before
 standard MQAR cell's step as the code trained it when issue 12 asked for 2x (fp32 eager, GDN chunk
 64) against this code, alternating, one thread a side:
 
-    processor                                  baseline (GDN)   FwPKM
-    AMD EPYC (2026-11-25)                      2.04x            2.30x    (22.7-22.9k, 18.8-19.2k tokens/s)
-    Intel Xeon, avx512_bf16, no AMX (11-26)    1.59x            1.73x    (17.8-18.4k, 13.2-14.1k tokens/s)
+    processor, code                              baseline (GDN)   FwPKM
+    AMD EPYC, 2026-11-25                         2.04x            2.30x    (22.7-22.9k, 18.8-19.2k tokens/s)
+    Intel Xeon, avx512_bf16, no AMX, dfe1f3c     1.59x            1.73x    (17.8-18.4k, 13.2-14.1k tokens/s)
+    the same Xeon, 4e287eb (weights laid out     1.71x            1.84x    (18.9-21.8k, 14.3-15.5k tokens/s;
+      for vectorized code, below)                                            runs 1.55x 1.87x; 1.88x 1.80x)
 
 On that Xeon fp32 GEMMs run at ~170 GFLOPS on one thread and bf16 ones at half of it (4096 x 128 x
 384, 2026-11-26), so the fp32 eager step of 279a062 is relatively fast there, and the GEMMs of the
 compiled step, in fp32, are near that peak already: ~80 ms of the baseline's ~210 ms (torch.profiler). Counted as one uninterrupted run on two workers
-(``reruns``), the standard toys take ~2.8 h on the EPYC of the published rows and ~3.1 h on that
-Xeon, where training is ~77% of the time, cold compiles ~15% (12-360 s a group; Ba's task, three
-input shapes, the costliest) and evaluations ~6%. What each change gained and what was tried and
+(``reruns``), the standard toys took ~2.8 h on the EPYC of the published rows and ~3.1 h on that
+Xeon at dfe1f3c, where training is ~77% of the time, cold compiles ~15% (12-360 s a group; Ba's
+task, three input shapes, the costliest) and evaluations ~6%. Compiled CPU code vectorizes a loop
+only where every tensor it reads runs contiguously along the channels: the short convolutions'
+weights are therefore stored taps first and LaCT's q/k affine as rows (4e287eb; 4-8% off the step
+of the models measured, the same losses). What each change gained and what was tried and
 not kept, measured: bench/experiments/toys_log.md, "Speed" and "The standard preset's budget".
 """
 
