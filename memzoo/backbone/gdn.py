@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.ops.gated_delta_rule import gated_delta_rule
-from memzoo.ops.short_conv import causal_conv
+from memzoo.ops.short_conv import causal_conv, conv_weights
 from memzoo.storage import load_transposed
 
 
@@ -33,9 +33,7 @@ class ShortConv(nn.Module):
     def __init__(self, dim: int, size: int = 4):
         super().__init__()
         self.size = size
-        w = torch.empty(dim, 1, size)
-        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-        self.weight = nn.Parameter(w[:, 0].t().contiguous())
+        self.weight = nn.Parameter(conv_weights(dim, size))
 
     def forward(self, x: Tensor, past: Tensor | None) -> tuple[Tensor, Tensor]:
         # x [B, T, D]; past [B, size-1, D] = the previous call's last inputs (zeros at start)

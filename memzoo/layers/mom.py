@@ -105,9 +105,9 @@ from torch import Tensor, nn
 
 from memzoo.layers.base import MemoryLayer, State
 from memzoo.ops.gated_delta_rule import gated_delta_rule
-from memzoo.ops.short_conv import causal_conv
-from memzoo.storage import load_transposed
+from memzoo.ops.short_conv import causal_conv, conv_weights
 from memzoo.registry import register_layer
+from memzoo.storage import load_transposed
 
 
 def load_balancing_loss(router_logits: Tensor, topk: int) -> Tensor:
@@ -213,12 +213,9 @@ class MoM(MemoryLayer):
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
-        if conv_size > 1:  # depthwise causal convs, shared by all memories (and the shared memory)
-            def conv_weight(n: int) -> nn.Parameter:  # taps first, [conv_size, n] (memzoo.ops.short_conv),
-                w = torch.empty(n, 1, conv_size)  # drawn as nn.Conv1d draws its [n, 1, conv_size] weight
-                return nn.Parameter(nn.init.kaiming_uniform_(w, a=math.sqrt(5))[:, 0].t().contiguous())
-
-            self.k_conv, self.v_conv = conv_weight(key_dim), conv_weight(value_dim)
+        if conv_size > 1:  # depthwise causal convs, shared by all memories (and the shared memory); taps first
+            self.k_conv = nn.Parameter(conv_weights(key_dim, conv_size))
+            self.v_conv = nn.Parameter(conv_weights(value_dim, conv_size))
         self.g_proj = nn.Linear(d_model, value_dim, bias=False)  # output gate
         self.o_norm_weight = nn.Parameter(torch.ones(self.head_v_dim))
         self.o_proj = nn.Linear(value_dim, d_model, bias=False)

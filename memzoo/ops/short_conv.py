@@ -20,8 +20,11 @@ compiled; the same losses to the last digit, 2026-11-26).
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def causal_conv(xp: Tensor, w: Tensor) -> Tensor:
@@ -35,3 +38,9 @@ def causal_conv(xp: Tensor, w: Tensor) -> Tensor:
     w = w.to(xp.dtype)
     return sum(xp[..., j : j + T, :] * w[j] for j in range(c))
 
+
+def conv_weights(channels: int, size: int) -> Tensor:
+    """Weights for :func:`causal_conv`, taps first [size, channels], drawn as nn.Conv1d draws its
+    depthwise [channels, 1, size] weight (kaiming-uniform, fan_in = size), from the same numbers."""
+    w = nn.init.kaiming_uniform_(torch.empty(channels, 1, size), a=math.sqrt(5))
+    return w[:, 0].t().contiguous()
