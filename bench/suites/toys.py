@@ -182,6 +182,8 @@ standard MQAR cell's step as the code trained it when issue 12 asked for 2x (fp3
     Intel Xeon, avx512_bf16, no AMX, dfe1f3c     1.59x            1.73x    (17.8-18.4k, 13.2-14.1k tokens/s)
     the same Xeon, 4e287eb (weights laid out     1.71x            1.84x    (18.9-21.8k, 14.3-15.5k tokens/s;
       for vectorized code, below)                                            runs 1.55x 1.87x; 1.88x 1.80x)
+    AMD EPYC (family 25 model 17), 823c91b       2.70x            2.82x    (24.4-28.8k, 20.4-21.5k tokens/s;
+      2026-11-26, --reps 3                                                   runs 2.59x 3.24x 2.70x; 3.21x 2.82x 2.66x)
 
 On that Xeon fp32 GEMMs run at ~170 GFLOPS on one thread and bf16 ones at half of it (4096 x 128 x
 384, 2026-11-26), so the fp32 eager step of 279a062 is relatively fast there, and the GEMMs of the
