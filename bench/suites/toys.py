@@ -185,7 +185,7 @@ standard MQAR cell's step as the code trained it when issue 12 asked for 2x (fp3
     AMD EPYC (family 25 model 17), 823c91b       2.70x            2.82x    (24.4-28.8k, 20.4-21.5k tokens/s;
       2026-11-26, --reps 3                                                   runs 2.59x 3.24x 2.70x; 3.21x 2.82x 2.66x)
 
-On that Xeon fp32 GEMMs run at ~170 GFLOPS on one thread and bf16 ones at half of it (4096 x 128 x
+On the Xeon, fp32 GEMMs run at ~170 GFLOPS on one thread and bf16 ones at half of it (4096 x 128 x
 384, 2026-11-26), so the fp32 eager step of 279a062 is relatively fast there, and the GEMMs of the
 compiled step, in fp32, are near that peak already: ~80 ms of the baseline's ~210 ms (torch.profiler). Counted as one uninterrupted run on two workers
 (``reruns``), the standard toys took ~2.8 h on the EPYC of the published rows and ~3.1 h on that
