@@ -161,9 +161,10 @@ def test_toy_config_places_the_layer_and_merges_options():
 
 def test_fwl_keeps_a_segment_longer_than_the_toy_sequences():
     """The chunk-level layers get chunks of four pairs; FWL, which reads the earlier positions of
-    its own chunk (Eq. 2), keeps a chunk that holds a whole toy sequence (one segment)."""
+    its own chunk (Eq. 2), keeps a chunk that holds a whole toy sequence (one segment). LaCT keeps
+    fast-weight heads of 32 at the default width 64 (2 heads)."""
     default = toys.Settings().layer_options
-    assert default["lact"] == {"chunk_size": 8} and "fwl" not in default
+    assert default["lact"] == {"chunk_size": 8, "num_heads": 2} and "fwl" not in default
     for name in ("tiny", "standard", "paper"):
         preset = load_preset(name)
         s = preset.settings(toys.NAME, toys.Settings)

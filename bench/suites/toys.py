@@ -236,10 +236,11 @@ cache); a memory shared by the batch (FwPKM as the paper trains it) is counted w
 SEGMENTED = ("fwl",)
 
 
-def _short_chunks() -> dict:
+def _toy_layer_options() -> dict:
     """Update chunks of 8 tokens (four pairs) for every chunk-level read-then-write layer: each
     registered layer whose constructor takes a `chunk_size`, that does not read its own token's
-    write (not `inclusive`) and is not in SEGMENTED; FwPKM and FwMLP with a memory per sequence."""
+    write (not `inclusive`) and is not in SEGMENTED; FwPKM and FwMLP with a memory per sequence;
+    LaCT with fast-weight heads of 32 at the default width 64 (2 heads; why: zoo_configs/bench/tiny.yaml)."""
     from memzoo.registry import get_layer, layer_names
 
     out = {n: {"chunk_size": 8} for n in layer_names() if n not in SEGMENTED
@@ -247,6 +248,8 @@ def _short_chunks() -> dict:
     for n in ("fwpkm", "fwmlp"):  # shared by the batch as the paper trains them; a memory per sequence here
         if n in out:
             out[n]["per_sequence"] = True
+    if "lact" in out:
+        out["lact"]["num_heads"] = 2
     return out
 
 
@@ -257,7 +260,7 @@ class Settings:
     n_layers: int = 2
     at: str = "last"  # where the memory layer goes ("last" = block 1 of 2)
     model: dict = field(default_factory=lambda: {"gdn_chunk": 16})  # backbone fields over the preset's; gdn_head_dim: fixed
-    layer_options: dict = field(default_factory=_short_chunks)  # per layer, merged over the preset's
+    layer_options: dict = field(default_factory=_toy_layer_options)  # per layer, merged over the preset's
     variants: dict = field(default_factory=dict)  # extra rows: {name: {layer: L, options: {...}}}, run with L
     seeds: int = 1
     lrs: list = field(default_factory=lambda: [3e-3])  # candidates, chosen on validation (ties: the first)
