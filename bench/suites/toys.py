@@ -184,6 +184,8 @@ standard MQAR cell's step as the code trained it when issue 12 asked for 2x (fp3
       for vectorized code, below)                                            runs 1.55x 1.87x; 1.88x 1.80x)
     AMD EPYC (family 25 model 17), 823c91b       2.70x            2.82x    (24.4-28.8k, 20.4-21.5k tokens/s;
       2026-11-26, --reps 3                                                   runs 2.59x 3.24x 2.70x; 3.21x 2.82x 2.66x)
+    the same model of EPYC, 003b3aa, 2026-11-27  2.68x            2.77x    (28.5-30.5k, 20.9-22.5k tokens/s;
+                                                                             runs 2.58x 2.68x 2.74x; 2.64x 2.77x 2.80x)
 
 On the Xeon, fp32 GEMMs run at ~170 GFLOPS on one thread and bf16 ones at half of it (4096 x 128 x
 384, 2026-11-26), so the fp32 eager step of 279a062 is relatively fast there, and the GEMMs of the
