@@ -373,6 +373,31 @@ def test_rerun_comparison_by_hand():
     assert per_model == {"pkm": 50.0} and spans == {"a": (10.0, 2), "b": (30.0, 1)}
 
 
+def test_rerun_with_fresh_seeds_by_hand():
+    """bench/experiments/reruns.py --fresh-seeds: a rerun's own seeds against every published seed
+    of the same config (seed by seed there is nothing to pair, so no identical cells are counted)."""
+    from memzoo.bench.experiments.reruns import compare, orders
+
+    def row(layer, seed, acc, h="h1"):
+        return {"suite": "toys", "preset": "standard", "layer": layer, "setting": {"task": "mqar", "d_model": 128},
+                "seed": seed, "config_hash": h, "metrics": {"accuracy": acc, "acc_by_kv": {"4": acc}, "steps": 100,
+                                                            "stop": "solved"}}
+
+    published = ([row("pkm", i, a) for i, a in enumerate([0.5, 0.6, 0.7])] + [row("pkm", 3, 0.1, h="other")]
+                 + [row("baseline", i, a) for i, a in enumerate([0.1, 0.1, 0.1])])
+    rerun = [row("pkm", 100 + i, a) for i, a in enumerate([0.6, 0.7])] + [row("baseline", 100 + i, 0.3) for i in range(2)]
+    assert compare(rerun, published) == ([], {"cells": 0, "same": 0})  # no seed in common
+    lines, same = compare(rerun, published, fresh=True)
+    pkm = next(ln for ln in lines if ln["layer"] == "pkm")
+    assert pkm["seeds"] == 2 and pkm["published"][0] == pytest.approx(0.6) and pkm["rerun"][0] == pytest.approx(0.65)
+    assert pkm["published"][1] == pytest.approx(4.303 * 0.1 / 3**0.5, rel=1e-3) and pkm["inside"]
+    baseline = next(ln for ln in lines if ln["layer"] == "baseline")
+    assert baseline["published"] == (pytest.approx(0.1), pytest.approx(0.0)) and not baseline["inside"]
+    assert same == {"cells": 0, "same": 0}
+    # pkm 0.6 ± 0.248 over baseline 0.1 ± 0: separated; the rerun's 0.65 > 0.3 keeps the order
+    assert [(p["above"], p["below"], p["same"]) for p in orders(rerun, published, fresh=True)] == [("pkm", "baseline", True)]
+
+
 def test_rerun_orders_by_hand():
     """bench/experiments/reruns.py: the model pairs the published rows separate (disjoint 95%
     t-intervals over at least two shared seeds), whether the rerun keeps their order, and whether

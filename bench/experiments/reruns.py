@@ -2,6 +2,7 @@
 
     python -m memzoo.bench.experiments.reruns leaderboards/reruns/standard-toys-2026-11-25
     python -m memzoo.bench.experiments.reruns RERUN_DIR --published leaderboards/results.jsonl
+    python -m memzoo.bench.experiments.reruns leaderboards/reruns/standard-toys-pkm-seeds-100-102 --fresh-seeds
 
 A rerun is ``memzoo bench --suite toys --out RERUN_DIR`` (with ``--resume``, continued after a
 kill): the same preset, configs and seeds as published, measured again, e.g. on another processor
@@ -9,7 +10,9 @@ or with faster code. For every (model, task) whose seeds the rerun holds, each s
 mean ± 95% t half-width beside the rerun's, and whether the rerun's mean lies inside the published
 interval; then seed by seed how many cells came out the same (test accuracy to 3 decimals, steps
 and stop). Only rows with the published row's config hash are compared (the tables' rule: the
-latest row per setting and seed).
+latest row per setting and seed). A rerun with a fresh seed set (``memzoo bench --seed 100``) is
+compared with ``--fresh-seeds``: its seeds' means against the published seeds' intervals, which is
+what the seed spread of a published row claims to predict.
 
 Then the ranking, which is what issue 12 found flipping between two processors: per task and width,
 every pair of models whose mean test accuracies the published rows separate (disjoint 95% t-intervals
@@ -52,45 +55,61 @@ def latest(rows: list[dict]) -> dict[tuple, dict]:
     return out
 
 
-def compare(rerun: list[dict], published: list[dict]) -> tuple[list[dict], dict]:
-    """(one dict per (model, task, width, slice): published and rerun mean ± half-width and
-    whether the rerun mean is inside, over the seeds both hold; counts of identical cells)."""
+def matched(rerun: list[dict], published: list[dict], fresh: bool = False) -> dict[tuple, tuple[list, list]]:
+    """(preset, layer, task, width) -> (published rows, rerun rows) of the published row's config
+    hash: the seeds both runs hold, in the same order (a rerun of the published seeds), or with
+    `fresh` (a rerun with a fresh seed set) every published seed beside every rerun seed."""
     new, old = latest(rerun), latest(published)
-    cells = defaultdict(list)  # (preset, layer, task, width) -> [(old row, new row)] per seed
-    for k, r in new.items():
-        if k in old:
-            cells[k[:4]].append((old[k], r))
+    out = defaultdict(lambda: ([], []))
+    if fresh:
+        drop_seed = lambda k: k[:4] + k[5:]  # noqa: E731
+        hashes = {drop_seed(k) for k in new}
+        for k, r in old.items():
+            if drop_seed(k) in hashes:
+                out[k[:4]][0].append(r)
+        for k, r in new.items():
+            if k[:4] in out:
+                out[k[:4]][1].append(r)
+    else:
+        for k, r in new.items():
+            if k in old:
+                out[k[:4]][0].append(old[k])
+                out[k[:4]][1].append(r)
+    return dict(out)
+
+
+def compare(rerun: list[dict], published: list[dict], fresh: bool = False) -> tuple[list[dict], dict]:
+    """(one dict per (model, task, width, slice): published and rerun mean ± half-width and
+    whether the rerun mean is inside, over the seeds of `matched`; counts of identical cells,
+    seed by seed, which a fresh seed set has none of)."""
+    cells = matched(rerun, published, fresh)
     lines, same = [], {"cells": 0, "same": 0}
     order = layer_order(k[1] for k in cells)
-    for (preset, layer, task, width), pairs in sorted(cells.items(), key=lambda kv: (order.index(kv[0][1]), kv[0])):
-        for o, n in pairs:
+    for (preset, layer, task, width), (olds, news) in sorted(cells.items(), key=lambda kv: (order.index(kv[0][1]), kv[0])):
+        for o, n in [] if fresh else zip(olds, news):
             same["cells"] += 1
             same["same"] += (round(o["metrics"]["accuracy"], 3) == round(n["metrics"]["accuracy"], 3)
                              and o["metrics"]["steps"] == n["metrics"]["steps"] and o["metrics"]["stop"] == n["metrics"]["stop"])
-        for s in sorted(pairs[0][0]["metrics"]["acc_by_kv"], key=float):
-            pm, ph = mean_ci([o["metrics"]["acc_by_kv"][s] for o, _ in pairs])
-            rm, rh = mean_ci([n["metrics"]["acc_by_kv"][s] for _, n in pairs])
-            lines.append({"layer": layer, "task": task, "width": width, "slice": s, "seeds": len(pairs),
+        for s in sorted(olds[0]["metrics"]["acc_by_kv"], key=float):
+            pm, ph = mean_ci([o["metrics"]["acc_by_kv"][s] for o in olds])
+            rm, rh = mean_ci([n["metrics"]["acc_by_kv"][s] for n in news])
+            lines.append({"layer": layer, "task": task, "width": width, "slice": s, "seeds": len(news),
                           "published": (pm, ph), "rerun": (rm, rh), "inside": pm - ph - 1e-9 <= rm <= pm + ph + 1e-9})
     return lines, same
 
 
-def orders(rerun: list[dict], published: list[dict]) -> list[dict]:
+def orders(rerun: list[dict], published: list[dict], fresh: bool = False) -> list[dict]:
     """One dict per (task, width, pair of models) that the published rows separate: disjoint 95%
-    t-intervals of the mean test accuracy over the seeds both runs hold (at least two). Each says which model the
+    t-intervals of the mean test accuracy over the seeds of `matched` (at least two). Each says which model the
     published rows put above (``above``, ``below``), the two runs' (mean, half-width) per model, and
     ``same`` (the rerun's means in that order) and ``contradicts`` (the rerun's intervals separate
     the pair the other way)."""
-    new, old = latest(rerun), latest(published)
-    acc = defaultdict(lambda: ([], []))  # (task, width, layer) -> (published accuracies, rerun accuracies)
-    for k, r in new.items():
-        if k in old:
-            for i, row in enumerate((old[k], r)):
-                acc[k[2], k[3], k[1]][i].append(row["metrics"]["accuracy"])
+    acc = {(k[2], k[3], k[1]): tuple([r["metrics"]["accuracy"] for r in rows] for rows in v)
+           for k, v in matched(rerun, published, fresh).items()}  # (task, width, layer) -> (published, rerun)
     out = []
     for (task, width) in sorted({k[:2] for k in acc}):
         # an interval needs two seeds: a model with one is in no pair (the tables mark none either)
-        layers = layer_order(k[2] for k in acc if k[:2] == (task, width) and len(acc[k][0]) > 1)
+        layers = layer_order(k[2] for k in acc if k[:2] == (task, width) and min(map(len, acc[k])) > 1)
         stats = {m: tuple(mean_ci(v) for v in acc[task, width, m]) for m in layers}
         for i, a in enumerate(layers):
             for b in layers[i + 1:]:
@@ -148,13 +167,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("rerun", type=Path, help="the rerun's --out directory (or its results.jsonl)")
     p.add_argument("--published", type=Path, default=Path("leaderboards") / RESULTS)
     p.add_argument("--jobs", type=int, default=2, help="workers of the uninterrupted run counted (default 2)")
+    p.add_argument("--fresh-seeds", action="store_true",
+                   help="the rerun used other seeds (--seed): compare its seeds with all the published ones")
     a = p.parse_args(argv)
     path = a.rerun / RESULTS if a.rerun.is_dir() else a.rerun
     rerun = [r for r in read_results(path) if r["suite"] == "toys"]
     if not rerun:
         raise SystemExit(f"no toys rows in {path}")
     published = read_results(a.published)
-    lines, same = compare(rerun, published)
+    lines, same = compare(rerun, published, a.fresh_seeds)
     hw = sorted({r["hardware"]["cpu"] for r in rerun})
     print(f"{len(rerun)} rerun rows ({', '.join(hw)}) against {a.published}\n")
     print(f"{'model':15} {'task':5} {'slice':>5}  {'published':>15}  {'rerun':>15}  seeds  inside")
@@ -163,11 +184,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{ln['layer']:15} {ln['task']:5} {ln['slice']:>5}  {pm:.3f} ± {ph:.3f}    {rm:.3f} ± {rh:.3f}    "
               f"{ln['seeds']:>5}  {'yes' if ln['inside'] else 'NO'}")
     inside = sum(ln["inside"] for ln in lines)
-    print(f"\nrerun means inside the published interval: {inside} of {len(lines)} slices; cells identical "
-          f"(test accuracy to 3 decimals, steps, stop): {same['same']} of {same['cells']}")
-    pairs = orders(rerun, published)
+    print(f"\nrerun means inside the published interval: {inside} of {len(lines)} slices" + ("" if a.fresh_seeds else
+          f"; cells identical (test accuracy to 3 decimals, steps, stop): {same['same']} of {same['cells']}"))
+    pairs = orders(rerun, published, a.fresh_seeds)
+    over = "each run's own seeds" if a.fresh_seeds else "the seeds both runs hold"
     print(f"\nmodel pairs the published rows separate (disjoint 95% intervals of mean test accuracy, "
-          f"over the seeds both runs hold): {len(pairs)}; in the same order in the rerun: "
+          f"over {over}): {len(pairs)}; in the same order in the rerun: "
           f"{sum(p['same'] for p in pairs)}; separated the other way by the rerun: {sum(p['contradicts'] for p in pairs)}")
     for p in pairs:
         if not p["same"]:

@@ -160,7 +160,10 @@ the rerun keeps their order, and what the rerun cost. Training is deterministic 
 across processors (matmuls round differently), and MQAR training is chaotic: on another processor
 single seeds take other paths (a seed capped at chance on one was solved on the other), and the
 intervals over seeds are what carries over. PKM's cells with a fresh seed set (seeds 100-102, AMD
-EPYC, as published): all six slice means inside the published intervals. The whole preset re-run on
+EPYC, as published): all six slice means inside the published intervals; run again with the
+baseline and the controls (``leaderboards/reruns/standard-toys-pkm-seeds-100-102``, read with
+``reruns --fresh-seeds``), PKM five of six (AR at 4 pairs 0.999 against a published 1.000 ± 0.000)
+and the baseline six of six. The whole preset re-run on
 an Intel Xeon (``leaderboards/reruns/standard-toys-2026-11-26``): 64 of 78 slice means inside (the
 others mostly single rerun seeds against a zero-width published interval), and of the 36 model pairs
 whose published intervals are disjoint, 35 in the same order and none separated the other way. The
