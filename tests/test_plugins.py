@@ -114,7 +114,7 @@ def test_a_plugin_from_the_environment_is_counted_and_gives_its_test_options(plu
 # a micro bench preset: the tiny backbone shrunk, a few training steps per suite
 MICRO = {
     "model": {"layout": "GDN", "vocab_size": 257, "d_model": 32, "n_layers": 2, "ffn_dim": 64, "gdn_heads": 2,
-              "gdn_head_dim": 16},
+              "gdn_head_dim": 16, "attn_heads": 2, "attn_kv_heads": 2, "attn_head_dim": 16},  # the toys' windows
     "train": {"seq_len": 64, "batch_size": 2, "steps": 2, "warmup": 1, "eval_every": 2, "eval_batches": 1},
     "toys": {"tasks": ["mqar"], "widths": [16, 32], "max_steps": 3, "eval_every": 3, "seeds": 1, "lrs": [0.01],
              "batch_size": 4, "warmup": 1, "val_size": 8, "test_size": 8, "mqar_seq_len": 16, "mqar_vocab": 32,

@@ -86,6 +86,26 @@ def test_mqar_sizes_are_checked():
         mqar.make_batch(2, 2, 16, 32, power_a=0.0)
 
 
+def test_mqar_gap_puts_every_query_beyond_it():
+    """With gap g every query sits at 2n + g or later, at an even position, so it lies at least
+    g + 1 tokens after its pair's value; gap 0 is zoology's generator, draw for draw."""
+    n, g = 4, 8
+    b = _batch(n=n, T=40, V=64, gap=g)
+    for x, y in zip(b.inputs, b.targets):
+        q = (y != mqar.IGNORE).nonzero().flatten()
+        assert len(q) == n and (q >= 2 * n + g).all() and (q % 2 == 0).all()
+        for t in q.tolist():
+            (k,) = (x[: 2 * n : 2] == x[t]).nonzero().flatten().tolist()
+            assert x[2 * k + 1] == y[t] and t - (2 * k + 1) >= g + 1
+    assert torch.equal(_batch(gap=0).inputs, _batch().inputs) and torch.equal(_batch(gap=0).targets, _batch().targets)
+    with pytest.raises(ValueError, match="gap must be an even int"):
+        mqar.make_batch(2, 4, 32, 64, gap=3)
+    with pytest.raises(ValueError, match=r"4 \* n_kv \+ gap = 24"):
+        mqar.make_batch(2, 4, 22, 64, gap=8)
+    m = mqar.mixed_batch(6, [1, 2], 20, 32, generator=torch.Generator().manual_seed(0), gap=8)
+    assert ((m.targets != mqar.IGNORE).nonzero()[:, 1] >= 10).all()
+
+
 def test_mqar_mixed_batch_and_accuracy():
     b = mqar.mixed_batch(10, [1, 2, 4], 16, 32, generator=torch.Generator().manual_seed(0))
     counts = (b.targets != mqar.IGNORE).sum(1).tolist()
@@ -113,6 +133,9 @@ MICRO = {
     "mqar_seq_len": 16,
     "mqar_vocab": 32,
     "ar_pairs": [2],
+    "route": "hybrid",  # with Ba's task: the memory-only route is MQAR's
+    "model": {"gdn_chunk": 16, "layout": "GDN"},
+    "mqar_gap": 0,
 }
 
 
@@ -149,11 +172,14 @@ def test_toy_config_places_the_layer_and_merges_options():
     preset, s = load_preset("tiny"), toys.Settings(variants={"fwpkm/seq": {"layer": "fwpkm", "options": {"per_sequence": True}}})
     mc = toys.toy_config(preset, "fwpkm", 64, 32, s)
     assert (mc.d_model, mc.n_layers, mc.vocab_size, mc.gdn_head_dim, mc.ffn_dim, mc.gdn_chunk) == (64, 2, 32, 16, 192, 16)
-    assert mc.layout == "GDN | fwpkm@last"
+    assert mc.layout == "SWA | fwpkm@last" and mc.window == 4  # the default: the memory the only route
     assert mc.memory["fwpkm"] == {**preset.layers["fwpkm"].options, "chunk_size": 8, "per_sequence": True}
     assert toys.toy_config(preset, BASELINE, 32, 37, s).memory == {}
     v = toys.toy_config(preset, "fwpkm/seq", 64, 32, s)
-    assert v.layout == "GDN | fwpkm@last" and v.memory["fwpkm"] == {**mc.memory["fwpkm"], "per_sequence": True}
+    assert v.layout == "SWA | fwpkm@last" and v.memory["fwpkm"] == {**mc.memory["fwpkm"], "per_sequence": True}
+    at0 = toys.Settings(variants={"fwpkm/first": {"layer": "fwpkm", "at": "0", "options": {"before_mixer": True}}})
+    first = toys.toy_config(preset, "fwpkm/first", 64, 32, at0)
+    assert first.layout == "SWA | fwpkm@0" and first.memory["fwpkm"]["before_mixer"] is True
     pos, neg = toys.toy_config(preset, toys.POSITIVE, 32, 37, s), toys.toy_config(preset, toys.NEGATIVE, 32, 37, s)
     assert (pos.layout, pos.attn_conv, pos.memory) == ("FA", preset.backbone.get("gdn_conv", 4), {})
     assert (neg.layout, neg.memory) == ("NONE", {})
@@ -171,6 +197,71 @@ def test_fwl_keeps_a_segment_longer_than_the_toy_sequences():
         assert s.layer_options["lact"]["chunk_size"] == 8
         longest = max(s.mqar_seq_len, 2 * max(s.ar_pairs) + 3)
         assert toys.toy_config(preset, "fwl", s.widths[0], 64, s).memory["fwl"]["chunk_size"] >= longest, name
+
+
+def test_reach_of_a_backbone_by_hand():
+    """Stacked sliding windows of 4 reach 3 tokens back per block; a short convolution of 4 on
+    q, k, v three more; no mixer none; a GDN or full attention every token."""
+    from memzoo.config import ModelConfig
+
+    def mc(**kw):
+        return ModelConfig.from_dict({"d_model": 16, "n_layers": 2, "attn_heads": 2, "attn_kv_heads": 2,
+                                      "attn_head_dim": 8, **kw})
+
+    assert toys.reach(mc(layout="SWA", window=4)) == 6
+    assert toys.reach(mc(layout="SWA", window=4, attn_conv=4)) == 12
+    assert toys.reach(mc(layout="NONE")) == 0
+    assert toys.reach(mc(layout="GDN")) is None and toys.reach(mc(layout="FA")) is None
+
+
+def test_memory_route_is_checked_against_the_backbones_reach():
+    """route: memory refuses a backbone that reaches a query's pair without the memory; the tiny
+    preset's cells (windows of 4 in 2 blocks, reach 6; gap 8) pass, the attention control is exempt."""
+    preset = load_preset("tiny")
+    s = preset.settings(toys.NAME, toys.Settings)
+    assert s.route == "memory" and s.mqar_gap == 8
+    for name in ("fwpkm", "pkm", "mom", BASELINE, *toys.CONTROLS):
+        toys.check_route(toys.toy_config(preset, name, 64, 64, s), name, s)
+    short = toys.Settings(mqar_gap=4)
+    with pytest.raises(ConfigError, match="reaches 6 tokens back, but a query may lie 5 tokens after its pair"):
+        toys.check_route(toys.toy_config(preset, "fwpkm", 64, 64, short), "fwpkm", short)
+    gdn = toys.Settings(model={"gdn_chunk": 16, "layout": "GDN"})
+    with pytest.raises(ConfigError, match="reaches every token back"):
+        toys.check_route(toys.toy_config(preset, BASELINE, 64, 64, gdn), BASELINE, gdn)
+    with pytest.raises(ConfigError, match="route=memory needs toys.tasks"):
+        toys.Settings(tasks=["mqar", "ar"]).check()
+    hybrid = toys.Settings(route="hybrid", model={"gdn_chunk": 16, "layout": "GDN"})
+    toys.check_route(toys.toy_config(preset, BASELINE, 64, 64, hybrid), BASELINE, hybrid)  # no limit on the hybrid
+
+
+def test_memory_route_makes_models_without_fast_weights_negative_controls():
+    """Under route: memory the backbone alone and PKM (no fast weights: mem_state 0) must stay
+    within twice chance on every slice, else the harness is invalid; a fast-weight memory may
+    recall. Seeds that leave chance are counted beside each mean."""
+    def rows(base_acc):
+        out = []
+        for layer, acc, mem in ((BASELINE, base_acc, 0), ("pkm", 0.25, 0), ("fwpkm", 0.9, 64), (toys.POSITIVE, 1.0, 0),
+                                (toys.NEGATIVE, 0.25, 0)):
+            for seed in range(3):
+                r = _row(layer, seed, acc if layer != "fwpkm" or seed else 0.25)
+                r["setting"]["route"] = "memory"
+                r["metrics"]["mem_state"] = mem
+                out.append(r)
+        return pd.json_normalize(out)
+
+    ok = rows(0.25)
+    assert toys.validity(ok, "mqar") == []
+    title, table = next(iter(toys.tables(ok).items()))
+    assert title == "MQAR test accuracy by key-value pairs" + toys.MEMORY_ROUTE
+    left = dict(zip(table["layer"], table["left chance"]))
+    assert left == {BASELINE: "0/3", "fwpkm": "2/3", "pkm": "0/3", toys.POSITIVE: "3/3", toys.NEGATIVE: "0/3"}
+    bad = rows(0.6)  # the backbone recalls: it reaches past the memory
+    assert toys.validity(bad, "mqar") == [
+        f"{BASELINE}, which has no fast weights, recalls 0.600 at kv={k}, d=16: above twice chance (0.250), so the "
+        f"backbone reaches past the memory" for k in (2, 4)]
+    assert next(iter(toys.tables(bad))).startswith("HARNESS INVALID for mqar")
+    hybrid = bad.drop(columns=["setting.route"])  # the hybrid view: the backbone may recall
+    assert toys.validity(hybrid, "mqar") == []
 
 
 def test_toy_config_keeps_a_set_gdn_head_size():

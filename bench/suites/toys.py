@@ -12,6 +12,32 @@ blocks, the memory layer at ``at``):
   ``c9k8j3f1??c -> 9``, the prediction at the last position being the answer. Training steps
   cycle through ``ar_pairs``; each is evaluated on its own.
 
+The memory the only route (``route: memory``, the default and the ``recall`` preset; the headline).
+As Zoology measures a mixer behind a short convolution, the backbone's own token mixing is local:
+sliding windows of ``window`` tokens (4: the 2 blocks reach 2 × 3 = 6 tokens back, `reach`), and
+every MQAR query lies at least ``mqar_gap`` + 1 = 9 tokens after its pair's value (the gap's
+filler sits between the pairs and the queries), so a pair reaches its query only through the
+memory. A window rather than a convolution because it exists in the backbone already and binds a
+key to its value (the pair's two tokens) the same way. ``check_route`` refuses a backbone whose reach
+is not shorter than the gap; the backbone alone and PKM (no fast weights) are negative controls by
+construction, and the harness is invalid if either is above twice chance on any slice. With the
+gap ≥ the chunk (8), every query lies in a later chunk than its pair, so a read-then-write layer
+can read it. MQAR only: Ba's task asks its query right after the pairs. ``route: hybrid`` (the
+``standard`` and ``capacity`` presets) is the second view: the memory behind a GDN, which recalls
+by itself.
+
+Why the paper's FwPKM stays at chance there, and ``fwpkm/token``. A pair is recalled only if the
+read at its query lands on the slots the key wrote (the paper's [HIT], Fig. 5). Behind a mixer the
+query vector mixes the key with its neighbours, which differ between the pair and the query, so
+the read hits 0-2% of the pair's slots; and a top-k read passes no gradient to a slot it did not
+select, so training cannot pull the two queries together (a dense read, linear attention, can).
+Where the query sees the token alone (the first block, before its mixer: the release's site), it
+hits the pair's slots and recalls; the addressing loss at the paper's weight 10 then moves the
+fast sub-keys between write and read and wears the recall down as training goes on; at the
+release's weight 1 it holds. ``fwpkm/token`` is that form, an extra row beside the paper's
+``fwpkm``; its site is our choice (the release puts FwPKM before the mixers of later blocks). The
+forms, one change each: ``python -m memzoo.bench.experiments.fwpkm_route``; the runs: docs/toys.md.
+
 Protocol, per cell (layer, task, width, seed):
 
 1. *Data.* Training batches are drawn from the seed; a validation set and a test set per slice
@@ -264,9 +290,10 @@ class Settings:
     widths: list = field(default_factory=lambda: [64])  # d_model of each model; >= 2 for a state curve
     n_layers: int = 2
     at: str = "last"  # where the memory layer goes ("last" = block 1 of 2)
-    model: dict = field(default_factory=lambda: {"gdn_chunk": 16})  # backbone fields over the preset's; gdn_head_dim: fixed
+    # backbone fields over the preset's (gdn_head_dim: fixed); by default local mixers (route: memory)
+    model: dict = field(default_factory=lambda: {"gdn_chunk": 16, "layout": "SWA", "window": 4})
     layer_options: dict = field(default_factory=_toy_layer_options)  # per layer, merged over the preset's
-    variants: dict = field(default_factory=dict)  # extra rows: {name: {layer: L, options: {...}}}, run with L
+    variants: dict = field(default_factory=dict)  # extra rows: {name: {layer: L, options: {...}, at: A}}, run with L
     seeds: int = 1
     lrs: list = field(default_factory=lambda: [3e-3])  # candidates, chosen on validation (ties: the first)
     layer_lrs: dict = field(default_factory=dict)  # a layer's (or control's) own candidates
@@ -290,8 +317,10 @@ class Settings:
     # MQAR (zoology's multiquery_ar)
     mqar_vocab: int = 64
     mqar_seq_len: int = 32
-    mqar_kv: list = field(default_factory=lambda: [2, 4, 8])
+    mqar_kv: list = field(default_factory=lambda: [2, 4, 6])
     power_a: float = 0.01
+    mqar_gap: int = 8  # filler tokens between the last pair and the first query (route: memory)
+    route: str = "memory"  # the backbone's mixers are local and every query lies beyond their reach; or "hybrid"
     # Ba's associative retrieval
     ar_pairs: list = field(default_factory=lambda: [4, 8, 12])
 
@@ -306,7 +335,7 @@ class Settings:
                 raise ConfigError(f"toys.{name} is empty")
         for n in self.mqar_kv:
             try:
-                mqar.check_sizes(n, self.mqar_seq_len, self.mqar_vocab)
+                mqar.check_sizes(n, self.mqar_seq_len, self.mqar_vocab, self.mqar_gap)
             except ValueError as e:
                 raise ConfigError(f"toys.mqar_kv: {e}") from None
         for n in self.ar_pairs:
@@ -320,6 +349,11 @@ class Settings:
             raise ConfigError(f"toys.target must be in (0, 1] and min_delta >= 0, got {self.target}, {self.min_delta}")
         if self.solve_on not in ("mean", "every"):
             raise ConfigError(f"toys.solve_on must be 'mean' or 'every', got {self.solve_on!r}")
+        if self.route not in ("hybrid", "memory"):
+            raise ConfigError(f"toys.route must be 'hybrid' or 'memory', got {self.route!r}")
+        if self.route == "memory" and self.tasks != ["mqar"]:
+            raise ConfigError(f"toys.route=memory needs toys.tasks: [mqar], got {self.tasks}: Ba's task asks its "
+                              f"query right after the pairs, within any backbone's reach")
         if self.precision not in ("fp32", "bf16"):
             raise ConfigError(f"toys.precision must be 'fp32' or 'bf16', got {self.precision!r}")
         if "mqar" in self.tasks and self.batch_size < len(self.mqar_kv):
@@ -328,8 +362,9 @@ class Settings:
         if any(not isinstance(w, int) or w < 1 for w in self.widths):
             raise ConfigError(f"toys.widths must be positive integers, got {self.widths}")
         for name, v in self.variants.items():
-            if not isinstance(v, dict) or set(v) - {"layer", "options"} or v.get("layer") not in layer_names():
-                raise ConfigError(f"toys.variants.{name} must be {{layer: <a registered layer>, options: {{...}}}}, got {v!r}")
+            if not isinstance(v, dict) or set(v) - {"layer", "options", "at"} or v.get("layer") not in layer_names():
+                raise ConfigError(f"toys.variants.{name} must be {{layer: <a registered layer>, options: {{...}}, at: <where, "
+                                  f"optional>}}, got {v!r}")
             if name in layer_names() or name in CONTROLS or name == BASELINE:
                 raise ConfigError(f"toys.variants: {name!r} is already a layer's or a control's name")
         valid_lrs = [BASELINE, *CONTROLS, *layer_names(), *self.variants]
@@ -374,7 +409,38 @@ def toy_config(preset, layer: str, width: int, vocab_size: int, s: Settings) -> 
     spec = preset.layers.get(layer)
     opts = {**(spec.options if spec else {}), **(s.layer_options.get(layer) or {}), **(variant.get("options") or {})}
     mixers = base.get("layout", "GDN").split("|")[0].strip()
-    return ModelConfig.from_dict({**base, "layout": f"{mixers} | {layer}@{s.at}", "memory": {layer: opts}})
+    at = variant.get("at", s.at)
+    return ModelConfig.from_dict({**base, "layout": f"{mixers} | {layer}@{at}", "memory": {layer: opts}})
+
+
+def reach(mc: ModelConfig) -> int | None:
+    """How many tokens back the backbone's own mixers carry information, stacked over its blocks
+    (None: unbounded): a sliding window of w sees w - 1 tokens back, its short convolution of c
+    (``attn_conv``) c - 1 more; a block without a mixer none. Memories are not counted."""
+    from memzoo.backbone.layout import parse_layout
+
+    total = 0
+    for kind in parse_layout(mc.layout, mc.n_layers).mixers:
+        if kind == "NONE":
+            continue
+        if kind != "SWA":
+            return None
+        total += mc.window - 1 + max(mc.attn_conv - 1, 0)
+    return total
+
+
+def check_route(mc: ModelConfig, layer: str, s: Settings) -> None:
+    """With ``route: memory``, every model but the positive control must be unable to carry a
+    pair to its query without its memory: the backbone's reach is shorter than the distance
+    from the last pair's value to the first query (``mqar_gap`` + 1)."""
+    if s.route != "memory" or layer == POSITIVE:
+        return
+    r = reach(mc)
+    if r is None or r > s.mqar_gap:
+        raise ConfigError(f"toys.route=memory: the backbone {mc.layout.split('|')[0].strip()!r} of {mc.n_layers} blocks "
+                          f"reaches {'every token' if r is None else f'{r} tokens'} back, but a query may lie "
+                          f"{s.mqar_gap + 1} tokens after its pair; use local mixers (toys.model: {{layout: SWA, window: w}}) "
+                          f"and toys.mqar_gap >= n_layers * (w - 1)")
 
 
 def state_size(model: HybridLM, seq_len: int) -> dict:
@@ -415,7 +481,7 @@ class Task:
     def _make(self, size: int, n: int, g: torch.Generator):
         s = self.s
         if self.name == "mqar":
-            return tuple(mqar.make_batch(size, n, s.mqar_seq_len, s.mqar_vocab, s.power_a, g))
+            return tuple(mqar.make_batch(size, n, s.mqar_seq_len, s.mqar_vocab, s.power_a, g, gap=s.mqar_gap))
         b = ar.make_batch(size, n, g)  # the answer is the prediction at the last position (the query)
         t = torch.full_like(b.tokens, mqar.IGNORE)
         t[:, -1] = b.answer
@@ -424,7 +490,8 @@ class Task:
     def batch(self, step: int, g: torch.Generator):
         s = self.s
         if self.name == "mqar":  # every kv count in each batch
-            return tuple(mqar.mixed_batch(s.batch_size, self.slices, s.mqar_seq_len, s.mqar_vocab, s.power_a, g))
+            return tuple(mqar.mixed_batch(s.batch_size, self.slices, s.mqar_seq_len, s.mqar_vocab, s.power_a, g,
+                                          gap=s.mqar_gap))
         return self._make(s.batch_size, self.slices[step % len(self.slices)], g)  # lengths differ: cycle
 
 
@@ -532,6 +599,8 @@ def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
     """Everything one cell's numbers depend on (its hash decides whether a resumed run skips it)."""
     data = ({"vocab": s.mqar_vocab, "seq_len": s.mqar_seq_len, "kv": s.mqar_kv, "power_a": s.power_a}
             if task == "mqar" else {"pairs": s.ar_pairs})
+    if task == "mqar" and s.mqar_gap:  # left out at 0: the rows recorded before the option keep their hashes
+        data["gap"] = s.mqar_gap
     keep = ("max_steps", "min_steps", "eval_every", "patience", "min_delta", "target", "batch_size", "warmup", "min_lr_ratio",
             "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size")
     train = {k: getattr(s, k) for k in keep}
@@ -544,7 +613,10 @@ def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
 def cell_key(ctx: Context, s: Settings, name: str, task: str, width: int, seed: int) -> tuple:
     """(model config, config, setting, the row already recorded or None) of one cell."""
     mc = toy_config(ctx.preset, name, width, Task.vocab_of(task, s), s)
+    check_route(mc, name, s)
     config, setting = cell_config(mc, task, s, name), {"task": task, "d_model": width}
+    if s.route == "memory":  # (absent otherwise: the hybrid rows recorded before the option keep their settings)
+        setting["route"] = "memory"
     return mc, config, setting, ctx.recorded(NAME, name, setting, config, seed)
 
 
@@ -677,7 +749,9 @@ def _fmt(vals, ref=None) -> str:
 
 def validity(df, task: str) -> list[str]:
     """What makes the harness invalid for `task` (empty: valid): the positive control below the
-    target on the easiest slice in some seed, or the negative control above twice chance."""
+    target on the easiest slice in some seed, or the negative control above twice chance; with the
+    memory the only route (``route: memory``), also any model without fast weights (the backbone
+    alone, PKM) above twice chance on some slice: a negative control by construction."""
     d = df[df["setting.task"] == task]
     out = []
     pos, neg = d[d["layer"] == POSITIVE], d[d["layer"] == NEGATIVE]
@@ -693,6 +767,15 @@ def validity(df, task: str) -> list[str]:
         acc, chance = g["metrics.accuracy"].mean(), g["metrics.chance"].iloc[0]
         if acc > 2 * chance:
             out.append(f"the negative control is at {acc:.3f}, above twice chance ({chance:.3f}) at d={w}")
+    if "setting.route" in d and (d["setting.route"] == "memory").any():
+        slow = d[~d["layer"].isin(CONTROLS) & (d["metrics.mem_state"] == 0)]
+        for (layer, w), g in slow.groupby(["layer", "setting.d_model"]):
+            chance = g["metrics.chance"].iloc[0]
+            for c in _slices(d):
+                if g[c].mean() > 2 * chance:
+                    out.append(f"{layer}, which has no fast weights, recalls {g[c].mean():.3f} at "
+                               f"{TITLES[task][1]}={c[len(ACC):]}, d={w}: above twice chance ({chance:.3f}), so the "
+                               f"backbone reaches past the memory")
     return out
 
 
@@ -716,6 +799,8 @@ def _task_table(df, task: str, slice_name: str):
             for c in _slices(d):
                 rec[f"{slice_name}={c[len(ACC):]}"] = _fmt(list(g[c].dropna()), ref(c))
             rec["mean"] = _fmt(list(g["metrics.accuracy"]), ref("metrics.accuracy"))
+            # seeds whose mean leaves chance (twice chance): a wide interval from seeds that split shows here
+            rec["left chance"] = f"{int((g['metrics.accuracy'] > 2 * g['metrics.chance']).sum())}/{len(g)}"
             rec["steps (max)"] = f"{int(g['metrics.steps'].median())} ({int(g['metrics.steps'].max())})"
             stops = g["metrics.stop"].value_counts()
             rec["stop"] = ", ".join(f"{n} {k}" for k, n in sorted(stops.items()))
@@ -727,6 +812,8 @@ def _task_table(df, task: str, slice_name: str):
 
 TITLES = {"mqar": ("MQAR test accuracy by key-value pairs", "kv"),
           "ar": ("Ba's associative retrieval test accuracy by pairs", "pairs")}
+MEMORY_ROUTE = (", the memory the only route (a local backbone; every query lies beyond its reach, so the backbone "
+                "alone and PKM are negative controls)")
 
 
 def incomplete(df) -> tuple:
@@ -756,6 +843,9 @@ def tables(df) -> dict:
     out = {}
     for task in [t for t in TASKS if t in set(df["setting.task"])]:
         title, sl = TITLES[task]
+        d = df[df["setting.task"] == task]
+        if "setting.route" in d and (d["setting.route"] == "memory").any():
+            title += MEMORY_ROUTE
         t = _task_table(df, task, sl)
         bad = validity(df, task)
         if bad:

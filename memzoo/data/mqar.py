@@ -14,11 +14,13 @@ must emit the key's value at the position of the query::
   zoology's placeholder for "no query here", replaced by filler), values from the second half,
   ``vocab_size // 2 .. vocab_size - 1``; the keys of one sequence are distinct and so are its
   values.
-- Query spacing follows a power law: the query of pair i sits at ``2 n_kv + 2 gap_i`` with
-  the gaps drawn without replacement from ``0 .. space - 1`` (``space = (seq_len - 2 n_kv) // 2``)
-  with probability ``∝ a · j^(a-1)`` for ``j = gap + 1``. Zoology's default ``a = 0.01`` puts
+- Query spacing follows a power law: the query of pair i sits at ``2 n_kv + gap + 2 s_i`` with
+  the slots s_i drawn without replacement from ``0 .. space - 1`` (``space = (seq_len - 2 n_kv - gap) // 2``)
+  with probability ``∝ a · j^(a-1)`` for ``j = s_i + 1``. Zoology's default ``a = 0.01`` puts
   most queries right after the pairs, as repeated bigrams cluster in real text; ``a = 1`` is
-  uniform.
+  uniform. ``gap`` (even, default 0 as in zoology) puts that many filler tokens between the last
+  pair and the first query slot, so that every query lies more than ``gap`` tokens after its
+  pair: beyond the reach of a backbone of local mixers (the toys' memory-only protocol).
 - Every other position is a token drawn uniformly from the whole vocabulary (zoology's
   ``random_non_queries``), so a filler token may equal a key or a value; only the labelled
   positions count.
@@ -49,14 +51,16 @@ class MQARBatch(NamedTuple):
     targets: Tensor
 
 
-def check_sizes(n_kv: int, seq_len: int, vocab_size: int) -> None:
+def check_sizes(n_kv: int, seq_len: int, vocab_size: int, gap: int = 0) -> None:
     """Raise a ValueError naming the fix when the sizes cannot make an MQAR sequence."""
     if n_kv < 1:
         raise ValueError(f"n_kv must be >= 1, got {n_kv}")
     if seq_len % 2:
         raise ValueError(f"seq_len must be even (queries sit at even offsets), got {seq_len}")
-    if 4 * n_kv > seq_len:  # zoology's bound: room for the pairs and as many query slots
-        raise ValueError(f"n_kv={n_kv} needs seq_len >= 4 * n_kv = {4 * n_kv}, got {seq_len}")
+    if isinstance(gap, bool) or not isinstance(gap, int) or gap < 0 or gap % 2:
+        raise ValueError(f"gap must be an even int >= 0 (queries sit at even offsets), got {gap!r}")
+    if 4 * n_kv + gap > seq_len:  # zoology's bound: room for the pairs and as many query slots
+        raise ValueError(f"n_kv={n_kv} needs seq_len >= 4 * n_kv + gap = {4 * n_kv + gap}, got {seq_len}")
     if vocab_size // 2 - 1 < n_kv:
         raise ValueError(
             f"vocab_size={vocab_size} has {vocab_size // 2 - 1} key tokens (1 .. vocab_size // 2 - 1) "
@@ -87,19 +91,20 @@ def make_batch(
     generator: torch.Generator | None = None,
     *,
     random_fill: bool = True,
+    gap: int = 0,
 ) -> MQARBatch:
     """A batch of MQAR sequences (see the module docstring). ``random_fill=False`` leaves the
     filler as 0, zoology's form for printing examples."""
-    check_sizes(n_kv, seq_len, vocab_size)
+    check_sizes(n_kv, seq_len, vocab_size, gap)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     g, B, n, half = generator, batch_size, n_kv, vocab_size // 2
     keys = _distinct(B, 1, half, n, g)
     values = _distinct(B, half, vocab_size, n, g)
     context = 2 * n
-    space = (seq_len - context) // 2
+    space = (seq_len - context - gap) // 2
     gaps = torch.multinomial(power_law(space, power_a).float().expand(B, space), n, replacement=False, generator=g)
-    qpos = context + 2 * gaps  # [B, n]: where key i is asked
+    qpos = context + gap + 2 * gaps  # [B, n]: where key i is asked
 
     inputs = torch.zeros(B, seq_len, dtype=torch.long)
     inputs[:, 0:context:2], inputs[:, 1:context:2] = keys, values
@@ -109,7 +114,7 @@ def make_batch(
     fill = torch.randint(0, vocab_size, (B, seq_len), generator=g)  # drawn always: the same stream either way
     if random_fill:
         free = torch.ones(B, seq_len, dtype=torch.bool)
-        free[:, :context] = False
+        free[:, :context] = False  # (the gap's tokens are filler too)
         free.scatter_(1, qpos, False)
         inputs = torch.where(free, fill, inputs)
     return MQARBatch(inputs, targets)
@@ -122,6 +127,8 @@ def mixed_batch(
     vocab_size: int = 256,
     power_a: float = 0.01,
     generator: torch.Generator | None = None,
+    *,
+    gap: int = 0,
 ) -> MQARBatch:
     """One batch holding every count of ``kv_counts`` in equal parts (the remainder goes to the
     first counts), as zoology trains on a mixture of difficulties."""
@@ -130,7 +137,7 @@ def mixed_batch(
     if batch_size < len(kv_counts):
         raise ValueError(f"batch_size={batch_size} is smaller than the {len(kv_counts)} kv counts it must hold")
     q, r = divmod(batch_size, len(kv_counts))
-    parts = [make_batch(q + (i < r), n, seq_len, vocab_size, power_a, generator) for i, n in enumerate(kv_counts)]
+    parts = [make_batch(q + (i < r), n, seq_len, vocab_size, power_a, generator, gap=gap) for i, n in enumerate(kv_counts)]
     return MQARBatch(torch.cat([p.inputs for p in parts]), torch.cat([p.targets for p in parts]))
 
 
