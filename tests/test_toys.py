@@ -214,6 +214,17 @@ def test_reach_of_a_backbone_by_hand():
     assert toys.reach(mc(layout="GDN")) is None and toys.reach(mc(layout="FA")) is None
 
 
+def test_state_of_a_sliding_window_is_its_window():
+    """A window of 4 keeps the keys and values of its last 4 tokens, whatever the length: 2 blocks
+    x (k, v) x 2 kv heads x head 16 x 4; PKM has no fast weights, so nothing of it is shared."""
+    preset, s = load_preset("tiny"), toys.Settings()
+    for name, mem in ((BASELINE, 0), ("pkm", 0)):
+        model = HybridLM(toys.toy_config(preset, name, 64, 64, s))
+        model(torch.zeros(2, 32, dtype=torch.long))
+        st = toys.state_size(model, 32)
+        assert (st["kv_cache"], st["mem_state"], st["state_shared"]) == (2 * 2 * 2 * 16 * 4, mem, False)
+
+
 def test_memory_route_is_checked_against_the_backbones_reach():
     """route: memory refuses a backbone that reaches a query's pair without the memory; the tiny
     preset's cells (windows of 4 in 2 blocks, reach 6; gap 8) pass, the attention control is exempt."""
@@ -440,6 +451,48 @@ def test_fwpkm_sharing_experiment_names_its_forms():
     assert set(fwpkm_sharing.FORMS) >= {"gdn", "per_sequence", "shared"}
     with pytest.raises(SystemExit, match="unknown form"):
         fwpkm_sharing.main(["sharde"])
+
+
+def test_fwpkm_route_hit_and_gate_by_hand():
+    """[HIT] by hand: x = k1 v1 k2 v2 k2 f asks k2 at position 4, whose value v2 sits at 3; the read
+    there puts weights 0.5 / 0.2 / 0.2 / 0.1 on slots last written by position 3, position 3,
+    position 3 of another sequence (batch row 1) and never, so 0.7 of it lands on the pair's
+    slots. The gate at the query is 0.9."""
+    from memzoo.bench.experiments import fwpkm_route
+
+    class Mem:
+        def stats(self):
+            return {"trace": {"weights": torch.tensor([[[0.0] * 4] * 4 + [[0.5, 0.2, 0.2, 0.1]] + [[0.0] * 4]]),
+                              "writer_pos": torch.tensor([[[-1] * 4] * 4 + [[3, 3, 3, -1]] + [[-1] * 4]]),
+                              "writer_seq": torch.tensor([[[0] * 4] * 4 + [[0, 0, 1, 0]] + [[0] * 4]])},
+                    "gates": torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.9, 0.5]])}
+
+    class Model:
+        training = True
+
+        def memories(self):
+            return [Mem()]
+
+        def memory_state(self, persistent_only):
+            return {}
+
+        def load_memory_state(self, state):
+            pass
+
+        def eval(self):
+            return lambda x, targets: None
+
+        def train(self, mode):
+            pass
+
+    x = torch.tensor([[1, 5, 2, 6, 2, 3]])
+    y = torch.full_like(x, mqar.IGNORE)
+    y[0, 4] = 6
+    d = fwpkm_route.diagnostics(Model(), x, y, n_pairs=2)
+    assert d["hit"] == pytest.approx(0.7) and d["gate_q"] == pytest.approx(0.9)
+    assert d["gate_all"] == pytest.approx(2.4 / 6)
+    with pytest.raises(SystemExit):
+        fwpkm_route.main(["toekn"])
 
 
 def test_rerun_comparison_by_hand():

@@ -1,10 +1,10 @@
 """Why FwPKM does not recall when its memory is the only route, and what does.
 
 The recall preset's FwPKM cell (zoo_configs/bench/recall.yaml: MQAR of 64 tokens, vocabulary 64,
-4 / 8 / 12 pairs, every query at least 9 tokens after its pair; 2 blocks of width 128 whose
-mixers are 4-token sliding windows; FwPKM with 64² slots of dim 64, top-8, chunk 8, a memory per
-sequence; batches of 64, bf16 + compile, lr 3e-3, seed 0), trained in the forms below, one change
-each. Every ``--every`` steps it prints the validation accuracy per slice and two of the paper's
+4 / 8 / 12 pairs, every query at least 9 tokens after its pair; 2 blocks whose mixers are 4-token
+sliding windows; FwPKM with 64² slots of dim 64, top-8, chunk 8, a memory per sequence; bf16 +
+compile, lr 3e-3, seed 0) at the standard toys' width and batch (128, 64; ``--width``, ``--batch``),
+trained in the forms below, one change each. Every ``--every`` steps it prints the validation accuracy per slice and two of the paper's
 diagnostics on 64 validation sequences of 4 pairs, read in fp32 eager:
 
 - ``hit``: at the query positions, the share of the read's top-k weight on slots whose last
@@ -61,7 +61,7 @@ def diagnostics(model, x, y, n_pairs: int) -> dict:
     return out
 
 
-def run(form: str, steps: int, every: int, seed: int = 0) -> dict:
+def run(form: str, steps: int, every: int, seed: int = 0, width: int = 128, batch: int = 64) -> dict:
     from memzoo.bench.common import load_preset
     from memzoo.bench.suites import toys
 
@@ -69,6 +69,7 @@ def run(form: str, steps: int, every: int, seed: int = 0) -> dict:
     preset = load_preset("recall")
     s = preset.settings(toys.NAME, toys.Settings)
     s.max_steps, s.min_steps, s.eval_every, s.patience, s.val_size = steps, steps, every, steps, 128
+    s.widths, s.batch_size = [width], batch
     s.variants = {"fwpkm/probe": {"layer": "fwpkm", "at": at, "options": opts}}
     task = toys.Task("mqar", s)
     mc = toys.toy_config(preset, "fwpkm/probe", s.widths[0], task.vocab, s)
@@ -100,6 +101,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
     a = ap.parse_args(argv)
     unknown = [f for f in a.forms if f not in FORMS]
     if unknown:
@@ -109,7 +112,7 @@ def main(argv=None) -> None:
 
     tune_cpu()
     for f in a.forms or list(FORMS):
-        r = run(f, a.steps, a.every, a.seed)
+        r = run(f, a.steps, a.every, a.seed, a.width, a.batch)
         print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
 
 

@@ -445,11 +445,14 @@ def check_route(mc: ModelConfig, layer: str, s: Settings) -> None:
 
 def state_size(model: HybridLM, seq_len: int) -> dict:
     """Recurrent state of one sequence, in numbers (call after a forward so every memory has
-    its state): GDN matrices, memory fast weights, attention's keys and values at `seq_len`."""
+    its state): GDN matrices, memory fast weights, attention's keys and values at `seq_len` (a
+    sliding window's: the last `window` tokens' at most)."""
     gdn = sum(b.mixer.h * b.mixer.d * b.mixer.d for b in model.blocks if b.kind == "GDN")
-    kv = sum(2 * b.mixer.hkv * b.mixer.d * seq_len for b in model.blocks if b.kind in ("FA", "SWA", "FA-pSWA"))
-    mem = sum(m.fast_weight_numel() for m in model.memories())
-    shared = any(not m.per_sequence for m in model.memories())
+    kv = sum(2 * b.mixer.hkv * b.mixer.d * (min(seq_len, b.mixer.window) if b.kind == "SWA" else seq_len)
+             for b in model.blocks if b.kind in ("FA", "SWA", "FA-pSWA"))
+    mems = model.memories()
+    mem = sum(m.fast_weight_numel() for m in mems)
+    shared = any(not m.per_sequence and m.fast_weight_numel() > 0 for m in mems)  # (PKM: no fast weights)
     return {"gdn_state": gdn, "kv_cache": kv, "mem_state": mem, "state_size": gdn + kv + mem, "state_shared": shared}
 
 
