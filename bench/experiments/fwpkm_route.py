@@ -36,6 +36,7 @@ FORMS = {
     "first": ("0", {}),  # the first block, after its mixer
     "token": ("0", {"before_mixer": True}),  # the first block, before its mixer: the query sees the token alone
     "token_addr1": ("0", {"before_mixer": True, "addr_loss_weight": 1.0}),  # the recall preset's fwpkm/token
+    "token_addr0": ("0", {"before_mixer": True, "addr_loss_weight": 0.0}),  # sub-keys never move: is the wear their drift?
 }
 
 

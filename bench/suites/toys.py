@@ -32,9 +32,9 @@ query vector mixes the key with its neighbours, which differ between the pair an
 the read hits 0-2% of the pair's slots; and a top-k read passes no gradient to a slot it did not
 select, so training cannot pull the two queries together (a dense read, linear attention, can).
 Where the query sees the token alone (the first block, before its mixer: the release's site), it
-hits the pair's slots and recalls; the addressing loss at the paper's weight 10 then moves the
-fast sub-keys between write and read and wears the recall down as training goes on; at the
-release's weight 1 it holds. ``fwpkm/token`` is that form, an extra row beside the paper's
+hits the pair's slots and recalls; the addressing loss then moves the fast sub-keys between
+write and read and wears the recall down as training goes on, fast at the paper's weight 10,
+slowly at the release's 1, not at all at 0 (the sub-keys fixed). ``fwpkm/token`` is that form, an extra row beside the paper's
 ``fwpkm``; its site is our choice (the release puts FwPKM before the mixers of later blocks). The
 forms, one change each: ``python -m memzoo.bench.experiments.fwpkm_route``; the runs: docs/toys.md.
 
