@@ -4,8 +4,9 @@ The recall preset's FwPKM cell (zoo_configs/bench/recall.yaml: MQAR of 64 tokens
 4 / 8 / 12 pairs, every query at least 9 tokens after its pair; 2 blocks whose mixers are 4-token
 sliding windows; FwPKM with 64² slots of dim 64, top-8, chunk 8, a memory per sequence; bf16 +
 compile, lr 3e-3, seed 0) at the standard toys' width and batch (128, 64; ``--width``, ``--batch``),
-trained in the forms below, one change each. Every ``--every`` steps it prints the validation accuracy per slice and two of the paper's
-diagnostics on 64 validation sequences of 4 pairs, read in fp32 eager:
+trained in the forms below, one change each. Every ``--every`` steps it prints the validation
+accuracy per slice and two of the paper's diagnostics on 64 validation sequences of 4 pairs, read
+in fp32 eager:
 
 - ``hit``: at the query positions, the share of the read's top-k weight on slots whose last
   writer is the queried pair's value token in the same sequence (the paper's [HIT], Fig. 5);

@@ -34,9 +34,10 @@ select, so training cannot pull the two queries together (a dense read, linear a
 Where the query sees the token alone (the first block, before its mixer: the release's site), it
 hits the pair's slots and recalls; the addressing loss then moves the fast sub-keys between
 write and read and wears the recall down as training goes on, fast at the paper's weight 10,
-slowly at the release's 1, not at all at 0 (the sub-keys fixed). ``fwpkm/token`` is that form, an extra row beside the paper's
-``fwpkm``; its site is our choice (the release puts FwPKM before the mixers of later blocks). The
-forms, one change each: ``python -m memzoo.bench.experiments.fwpkm_route``; the runs: docs/toys.md.
+slowly at the release's 1, not at all at 0 (the sub-keys fixed). ``fwpkm/token`` is that form,
+an extra row beside the paper's ``fwpkm``; its site is our choice (the release puts FwPKM before
+the mixers of later blocks). The forms, one change each: ``python -m
+memzoo.bench.experiments.fwpkm_route``; the runs: docs/toys.md.
 
 Protocol, per cell (layer, task, width, seed):
 
