@@ -116,7 +116,8 @@ def evaluate(model: HybridLM, batches: list) -> float:
     saved = model.memory_state(persistent_only=True)
     was = model.training
     model.eval()
-    losses = [model(x, targets=y).loss.item() for x, y in batches]
+    device = next(model.parameters()).device
+    losses = [model(x.to(device), targets=y.to(device)).loss.item() for x, y in batches]
     model.train(was)
     model.load_memory_state(saved)
     return sum(losses) / len(losses)

@@ -343,3 +343,31 @@ def test_compile_cache_outlives_the_run_and_drops_killed_builds(tmp_path, monkey
     assert not (cache / "ab" / "cab1.main_CxxBuild").exists()
     assert all(f.exists() for f in done + live) and (cache / "cd" / "ccd3.main_CxxBuild").exists()
     assert [f.exists() for f in header] == [True, False]
+
+
+def test_gpu_check_lists_its_steps_and_refuses_a_machine_without_cuda(capsys, tmp_path, monkeypatch):
+    from memzoo.bench import gpu_check
+
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out
+    for step in ("tests", "kernels", "train", "cost"):
+        assert f"  {step} " in listed
+    assert "test_cuda.py" in listed and "bench_kernels" in listed and "--preset" in listed
+    assert gpu_check.main(["--dry-run", "--only", "train"]) == 0 and "  cost " not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--dry-run", "--only", "tset"])
+    assert "unknown step(s) tset" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2 and not any(tmp_path.iterdir())
+
+
+def test_gpu_check_summarises_cost_rows_and_training(tmp_path):
+    from memzoo.bench import gpu_check
+
+    row = {"layer": "baseline", "setting": {"config": "paper/gdn"},
+           "metrics": {"samples_per_s": 13.0, "samples_per_s_paper": 42.81, "tokens_per_s": 53248.0,
+                       "flops_per_s": 3.7e13, "mfu": 0.047, "peak_flops_per_s": 7.87e14, "peak_mem_gb": 50.3}}
+    (tmp_path / "results.jsonl").write_text(json.dumps(row) + "\n")
+    [line] = gpu_check.figures("cost", tmp_path, "")
+    assert line == "paper/gdn: 13.00 samples/s, paper 42.81; 53,248 tokens/s; 37 TFLOP/s = 5% of the measured 787; 50.3 GiB"
+    assert gpu_check.figures("tests", tmp_path, "F..\n2 failed, 4 passed in 1.0s\n") == ["2 failed, 4 passed in 1.0s"]

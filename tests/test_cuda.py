@@ -13,6 +13,28 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 DEV = "cuda"
 
 
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    """fp32 matmuls and convolutions in fp32, not TF32 (cuDNN's default): the comparisons here are
+    of two fp32 paths."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def share_off(a, b, rtol) -> float:
+    """The share of elements of `a` outside `close`'s tolerance of `b`."""
+    a, b = a.detach().double(), b.detach().double()
+    return (~torch.isclose(a, b, rtol=rtol, atol=rtol * float(b.abs().max().clamp(min=1e-6)))).float().mean().item()
+
+
+def mismatch(a, b, rtol) -> str:
+    """Where two tensors differ: the share of elements outside the tolerance and the largest gap."""
+    gap = (a.detach().double() - b.detach().double()).abs().max().item()
+    return f"{share_off(a, b, rtol):.2e} of elements differ, max |diff| {gap:.3g}"
+
+
 def close(a, b, rtol=1e-4):
     a, b = a.detach().double(), b.detach().double()
     return torch.allclose(a, b, rtol=rtol, atol=rtol * float(b.abs().max().clamp(min=1e-6)))
@@ -27,9 +49,10 @@ def test_compiled_lookup_at_paper_sizes(score, H, k):
     q = torch.randn(2, 300, H, 512, device=DEV, generator=g)
     keys = torch.randn(H, 2, 512, 256, device=DEV, generator=g) / 16
     got, want = fwpkm.lookup(q, keys, k, score), pk.lookup(q, keys, k, score)
-    agree = (got.index == want.index).float().mean().item()
-    assert agree > 0.999  # near-ties may order differently in fp32
-    assert close(got.scores, want.scores)
+    # the same slots (two near-tied ones may come in either order in fp32), the same scores
+    agree = (got.index.sort(-1).values == want.index.sort(-1).values).float().mean().item()
+    assert agree > 0.999, f"{agree=}"
+    assert close(got.scores.sort(-1).values, want.scores.sort(-1).values)
 
 
 def test_compiled_embedding_bag_and_segment_sum():
@@ -66,8 +89,13 @@ def test_fwpkm_kernel_path_matches_torch_and_is_deterministic():
     y1, s1, g1 = _fwpkm_run(True)
     y2, s2, g2 = _fwpkm_run(False)
     y3, s3, _ = _fwpkm_run(True)
-    assert close(y1, y2, 1e-3) and all(close(s1[k], s2[k], 1e-3) for k in s1)
-    assert all(close(a, b, 1e-2) for a, b in zip(g1, g2))
+    # all but a few elements: a near-tie in a top-k can pick another slot in the other fp32 path
+    # (the H200 run of 2026-11-27: 6e-5 of the outputs, max |diff| 0.007; docs/performance.md)
+    assert share_off(y1, y2, 1e-3) < 1e-3, mismatch(y1, y2, 1e-3)
+    for k in s1:
+        assert share_off(s1[k], s2[k], 1e-3) < 1e-3, f"state {k}: {mismatch(s1[k], s2[k], 1e-3)}"
+    for i, (a, b) in enumerate(zip(g1, g2)):
+        assert share_off(a, b, 1e-2) < 1e-3, f"grad {i}: {mismatch(a, b, 1e-2)}"
     assert torch.equal(y1, y3) and all(torch.equal(s1[k], s3[k]) for k in s1)  # sorted segment sums
 
 
@@ -82,12 +110,15 @@ def test_train_on_cuda_in_bf16(tmp_path):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in res["history"])
 
 
-def test_generate_on_cuda_matches_one_forward():
+# with and without FwPKM (its kernels on and off), so that a mismatch says where it arises
+@pytest.mark.parametrize("layout,triton", [("GDN+SWA", None), ("GDN+SWA | fwpkm@1", False), ("GDN+SWA | fwpkm@1", True)])
+def test_generate_on_cuda_matches_one_forward(layout, triton):
     from memzoo.backbone import HybridLM
     from tests.conftest import TINY_LM, layer_options
 
     torch.manual_seed(0)
-    model = HybridLM.from_layout("GDN+SWA | fwpkm@1", **TINY_LM, memory={"fwpkm": layer_options("fwpkm")}).to(DEV).eval()
+    memory = {} if triton is None else {"fwpkm": {**layer_options("fwpkm"), "triton": triton}}
+    model = HybridLM.from_layout(layout, **TINY_LM, memory=memory).to(DEV).eval()
     prompt = torch.randint(1, 50, (2, 7), device=DEV)
     with torch.no_grad():
         before = model.memory_state()

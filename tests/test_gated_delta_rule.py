@@ -289,3 +289,24 @@ def test_fla_backend_gradients_match_torch_on_cuda():
         results[backend] = [x.grad.clone() for x in xs]
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], results["fla"], results["torch"]):
         torch.testing.assert_close(a, b, atol=5e-3, rtol=5e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("capability,triton_version,refused", [((9, 0), "3.6.0", True), ((9, 0), "3.8.0", False),
+                                                                ((8, 0), "3.6.0", False)])
+def test_auto_leaves_fla_where_it_refuses_the_gated_backward(monkeypatch, capability, triton_version, refused):
+    # fla 0.6 raises in the gated backward on Hopper with Triton in [3.4, 3.7.1) (its #640): "auto"
+    # must take the torch path there (torch 2.11 ships Triton 3.6), and fla's kernel elsewhere
+    import triton
+
+    from memzoo.ops import gated_delta_rule as gdr
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: capability)
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    gdr.fla_unusable.cache_clear()
+    try:
+        why = gdr.fla_unusable(0)
+    finally:
+        gdr.fla_unusable.cache_clear()
+    assert (why is not None) == refused
+    if refused:
+        assert "Hopper" in why and triton_version in why

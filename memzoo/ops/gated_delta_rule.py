@@ -34,6 +34,10 @@ compute dtype (fp32 for fp32/bf16/fp16 inputs).
 
 from __future__ import annotations
 
+import functools
+import warnings
+from importlib import util as importlib_util
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -230,6 +234,25 @@ def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_s
     return o.to(v.dtype), final_state
 
 
+_warned: set[str] = set()
+
+
+@functools.cache
+def fla_unusable(device_index: int | None = None) -> str | None:
+    """Why fla's chunk kernel cannot serve "auto" on this CUDA device, or None where it can: fla
+    not installed, or a Hopper GPU with Triton in [3.4, 3.7.1), where fla refuses the gated
+    backward (it computes it wrong there: fla #640)."""
+    if importlib_util.find_spec("fla") is None:
+        return "flash-linear-attention is not installed"
+    import triton
+    from packaging.version import Version
+
+    tv = Version(triton.__version__.split("+")[0])
+    if torch.cuda.get_device_capability(device_index)[0] == 9 and Version("3.4") <= tv < Version("3.7.1"):
+        return f"Triton {triton.__version__} on a Hopper GPU (fla's gated backward needs >= 3.7.1)"
+    return None
+
+
 def gated_delta_rule(
     q: Tensor,
     k: Tensor,
@@ -253,13 +276,18 @@ def gated_delta_rule(
         initial_state: [B, H, K, V] (fp32) state to start from, e.g. a previous call's final state.
         output_final_state: also return the [B, H, K, V] fp32 state after the last token.
         chunk_size: chunk length of the torch path (fla's kernel uses its own, 64).
-        backend: "auto" (fla's chunk kernel when q.is_cuda, else torch), "torch" or "fla".
+        backend: "auto" (fla's chunk kernel on CUDA where it can run, see `fla_unusable`; else
+            torch), "torch" or "fla".
 
     Returns:
         (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
     """
     if backend == "auto":
-        backend = "fla" if q.is_cuda else "torch"
+        why = fla_unusable(q.device.index) if q.is_cuda else "CPU"
+        if why and q.is_cuda and why not in _warned:
+            _warned.add(why)
+            warnings.warn(f"gated_delta_rule: the torch path on CUDA, not fla's kernel: {why}", stacklevel=2)
+        backend = "torch" if why else "fla"
     if backend == "torch":
         return gated_delta_rule_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                         output_final_state=output_final_state, chunk_size=chunk_size)

@@ -1,0 +1,228 @@
+"""Every GPU check in one command, sized for a short loan of one GPU.
+
+    python -m memzoo.bench.gpu_check --out DIR        # on a CUDA machine, from a checkout
+    python -m memzoo.bench.gpu_check --dry-run        # anywhere: the steps, their limits, their commands
+
+The steps run in order, each in its own process under its own time limit (a hung or failed step
+costs its limit, not the loan), with its log in DIR/<step>.log:
+
+    tests    tests/test_cuda.py: the Triton kernels compiled (not interpreted) against the torch
+             path at the paper's sizes, FwPKM's kernel path deterministic, bf16 training, generation
+    train    a short bf16 training of paper/gdn-fwpkm2-6-10 (Table 3's model, 8 x 4096 tokens a
+             step) on Shakespeare (the paper's corpus streams from the Hub): loss, tokens/s, memory
+    cost     the paper preset's cost suite on CUDA: Table 2's configs, GDN, +FwPKM, +PKM first,
+             as many as fit its limit; rows in DIR/results.jsonl
+    kernels  bench_kernels: each FwPKM kernel and one FwPKM layer step against the torch path (last:
+             it takes the time left)
+
+Then DIR/summary.md and DIR/summary.json: per step its status, time and figures, and the device.
+The cost rows are bench rows (`memzoo leaderboard` renders them): append DIR/results.jsonl to
+leaderboards/results.jsonl to publish them. Scratch (the trained model, the bench's work dir)
+goes to a temporary directory, so DIR holds 8 files at most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TRAIN_CONFIG = "paper/gdn-fwpkm2-6-10"
+
+
+@dataclass
+class Step:
+    name: str
+    limit_s: int  # its own cap; 0: what the budget has left
+    what: str
+
+    def command(self, out: Path, scratch: Path, train_steps: int) -> list[str]:
+        py = [sys.executable, "-m"]
+        if self.name == "tests":
+            return [*py, "pytest", str(tests_file()), "-q", "-p", "no:cacheprovider"]
+        if self.name == "kernels":
+            return [*py, "memzoo.bench.benchmarks.bench_kernels"]
+        if self.name == "train":
+            return [*py, "memzoo.bench.gpu_check", "--train-only", str(train_steps), "--out", str(out)]
+        return [*py, "memzoo.cli", "bench", "--suite", "cost", "--preset", str(scratch / "paper.yaml"), "--layers", "baseline",
+                "--device", "cuda", "--jobs", "1", "--quiet", "--out", str(scratch / "rows"),
+                "--work-dir", str(scratch / "work")]
+
+
+STEPS = [
+    Step("tests", 180, "tests/test_cuda.py: kernels compiled vs torch, determinism, bf16 training, generation"),
+    Step("train", 120, f"a short bf16 training of {TRAIN_CONFIG} on Shakespeare"),
+    Step("cost", 150, "the paper preset's cost suite on CUDA (Table 2's configs, GDN, +FwPKM, +PKM first)"),
+    Step("kernels", 0, "bench_kernels: each FwPKM kernel and one layer step vs the torch path"),
+]
+
+
+FIRST = ["paper/gdn", "paper/gdn-fwpkm2-6-10", "paper/gdn-pkm2-6-10"]  # Table 2's rows wanted most
+
+
+def write_cost_preset(scratch: Path) -> Path:
+    """The paper preset with its cost configs reordered, `FIRST` first (named paper: its rows are
+    the paper preset's)."""
+    import yaml
+
+    from memzoo.bench.common import SUITES, config_dir
+    from memzoo.config import read_config
+
+    data, _ = read_config(config_dir() / "bench" / "paper.yaml", ("model", "layers", "train", *SUITES))
+    configs = data["cost"]["configs"]
+    data["cost"]["configs"] = [c for c in FIRST if c in configs] + [c for c in configs if c not in FIRST]
+    path = scratch / "paper.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def tests_file() -> Path:
+    """tests/test_cuda.py of the checkout (the working directory's, else the package's)."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        if (root / "tests" / "test_cuda.py").is_file():
+            return root / "tests" / "test_cuda.py"
+    return Path("tests/test_cuda.py")
+
+
+# ---- the train step (run in its own process) ---------------------------------------------------
+
+
+def train_only(steps: int, out: Path, config: str = TRAIN_CONFIG, device: str = "cuda") -> None:
+    """Train `config` for `steps` steps of one micro-batch in bf16; write out/train.json."""
+    from memzoo.config import load_config
+    from memzoo.train import train
+
+    rc = load_config(config)
+    tc = rc.train
+    tc.corpus, tc.device, tc.precision, tc.steps, tc.grad_accum = "shakespeare", device, "bf16", steps, 1
+    tc.warmup, tc.eval_every, tc.eval_batches, tc.ckpt_every = min(tc.warmup, steps // 4), steps, 2, 10**9
+    times: list[float] = []
+    with tempfile.TemporaryDirectory() as d:  # the checkpoint (GBs) stays out of `out`
+        tc.out_dir = d
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        res = train(rc, progress=False, on_step=lambda r: times.append(time.perf_counter()))
+    gaps = [b - a for a, b in zip(times, times[1:])][steps // 4:]  # past compilation and warm-up
+    step_s = sorted(gaps)[len(gaps) // 2]
+    losses = [r["loss"] for r in res["history"]]
+    from memzoo.bench.common import device_name
+
+    fig = {"config": config, "device": device_name(device), "precision": "bf16",
+           "tokens_per_step": tc.batch_size * tc.seq_len, "steps": steps, "first_loss": losses[0],
+           "last_loss": losses[-1], "val_loss": res["val_loss"], "median_step_s": step_s,
+           "tokens_per_s": tc.batch_size * tc.seq_len / step_s,
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")}
+    (out / "train.json").write_text(json.dumps(fig, indent=1))
+    print(json.dumps(fig))
+
+
+# ---- the summary ------------------------------------------------------------------------------
+
+
+def figures(name: str, out: Path, log: str) -> list[str]:
+    """What a step measured, as lines for the summary."""
+    if name == "tests":
+        return [ln for ln in log.splitlines() if (" passed" in ln or " failed" in ln or "error" in ln) and ln.strip()][-1:]
+    if name == "kernels":
+        return [ln for ln in log.splitlines() if ln.startswith(("# ", "op ")) or "x   (" in ln]
+    if name == "train" and (out / "train.json").exists():
+        f = json.loads((out / "train.json").read_text())
+        return [f"{f['steps']} steps of {f['tokens_per_step']} tokens: loss {f['first_loss']:.3f} -> {f['last_loss']:.3f} "
+                f"(val {f['val_loss']:.3f}), {f['tokens_per_s']:,.0f} tokens/s (median step {f['median_step_s']:.3f} s), "
+                f"peak {f['peak_mem_gb']:.1f} GiB"]
+    if name == "cost" and (out / "results.jsonl").exists():
+        lines = []
+        for row in map(json.loads, (out / "results.jsonl").read_text().splitlines()):
+            m, cfg = row["metrics"], row["setting"].get("config") or row["layer"]
+            if "tokens_per_s" not in m:
+                lines.append(f"{cfg}: {m.get('throughput_error', 'not timed')}")
+                continue
+            paper = f", paper {m['samples_per_s_paper']:.2f}" if m.get("samples_per_s_paper") else ""
+            lines.append(f"{cfg}: {m['samples_per_s']:.2f} samples/s{paper}; {m['tokens_per_s']:,.0f} tokens/s; "
+                         f"{m['flops_per_s'] / 1e12:.0f} TFLOP/s = {100 * m['mfu']:.0f}% of the measured "
+                         f"{m['peak_flops_per_s'] / 1e12:.0f}; {m.get('peak_mem_gb', float('nan')):.1f} GiB")
+        return lines
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m memzoo.bench.gpu_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, help="logs, rows and the summary go here (at most 8 files)")
+    ap.add_argument("--budget", type=int, default=450, help="seconds for all steps together (default 450)")
+    ap.add_argument("--only", help="comma-separated steps to run (default: all, in order)")
+    ap.add_argument("--train-steps", type=int, default=20, help="steps of the train step (default 20)")
+    ap.add_argument("--dry-run", action="store_true", help="list the steps and exit")
+    ap.add_argument("--train-only", type=int, metavar="STEPS", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.train_only is not None:
+        train_only(a.train_only, a.out)
+        return 0
+    names = [s.name for s in STEPS]
+    only = a.only.split(",") if a.only else names
+    if bad := [n for n in only if n not in names]:
+        ap.error(f"unknown step(s) {', '.join(bad)}; the steps are {', '.join(names)}")
+    steps = [s for s in STEPS if s.name in only]
+    out = a.out or Path("gpu_check")
+    if a.dry_run:
+        print(f"gpu_check: {len(steps)} steps in at most {a.budget} s, logs and rows under {out}/")
+        for s in steps:
+            cap = f"{s.limit_s} s" if s.limit_s else "the time left"
+            print(f"  {s.name:8s} {s.what} (at most {cap})\n           $ {' '.join(s.command(out, Path('$TMP'), a.train_steps))}")
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu_check needs a CUDA device (none here); --dry-run lists what it would run", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    from memzoo.ops.gated_delta_rule import fla_unusable
+
+    device = torch.cuda.get_device_name()
+    gdn = f"torch path ({why})" if (why := fla_unusable(0)) else "fla's chunk kernel"
+    summary = {"device": device, "torch": torch.__version__, "gdn_op": gdn,
+               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": {}}
+    t_start = time.time()
+    scratch = Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    write_cost_preset(scratch)
+    try:
+        for s in steps:
+            left = a.budget - (time.time() - t_start)
+            limit = int(min(s.limit_s, left) if s.limit_s else left)
+            if limit < 20:
+                summary["steps"][s.name] = {"status": "skipped (no time left)", "seconds": 0, "figures": []}
+                continue
+            print(f"gpu_check: {s.name} (at most {limit} s) ...", flush=True)
+            t0 = time.time()
+            with open(out / f"{s.name}.log", "w") as log:
+                try:
+                    rc = subprocess.run(s.command(out, scratch, a.train_steps), stdout=log, stderr=subprocess.STDOUT,
+                                        timeout=limit).returncode
+                    status = "passed" if rc == 0 else f"failed (rc {rc})"
+                except subprocess.TimeoutExpired:
+                    status = f"stopped at its limit ({limit} s)"
+            if s.name == "cost" and (scratch / "rows" / "results.jsonl").exists():
+                shutil.copy(scratch / "rows" / "results.jsonl", out / "results.jsonl")
+            text = (out / f"{s.name}.log").read_text(errors="replace")
+            summary["steps"][s.name] = {"status": status, "seconds": round(time.time() - t0, 1),
+                                        "figures": figures(s.name, out, text)}
+            print(f"gpu_check: {s.name} {status} in {time.time() - t0:.0f} s", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    lines = [f"# gpu_check on {device} (torch {torch.__version__}), {summary['started']}", "",
+             f"The gated delta rule ran on the {gdn}.", ""]
+    for name, r in summary["steps"].items():
+        lines += [f"- **{name}**: {r['status']}, {r['seconds']} s", *[f"  - {f}" for f in r["figures"]]]
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(r["status"] == "passed" for r in summary["steps"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
