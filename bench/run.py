@@ -56,7 +56,7 @@ def bench_cost(layer: str) -> float:
     (measured on the tiny preset), 1.5 for a layer that does not say."""
     from memzoo.registry import get_layer
 
-    return 1.0 if layer == BASELINE else getattr(get_layer(layer), "bench_cost", 1.5)
+    return 1.0 if layer == BASELINE else getattr(get_layer(layer.split("/")[0]), "bench_cost", 1.5)
 
 
 @dataclass(frozen=True)
@@ -229,6 +229,15 @@ def run_bench(
     for s in todo:  # check every suite's settings before spending minutes on the first
         mod = suite(s)
         p.settings(mod.NAME, mod.Settings)
+    if variants := [n for n in names if "/" in n]:  # a toys variant alone, e.g. fwpkm/token
+        from memzoo.bench.suites import toys
+
+        if todo != ["toys"]:
+            raise ConfigError(f"--layers {variants[0]}: a variant is a toys row; run it with --suite toys")
+        defined = p.settings(toys.NAME, toys.Settings).variants
+        if bad := [n for n in variants if n not in defined]:
+            raise ConfigError(f"--layers {bad[0]}: preset {p.name} defines no such toys variant; it defines "
+                              f"{', '.join(defined) or 'none'}")
     cores = os.cpu_count() or 1
     jobs = jobs or (1 if device != "cpu" else cores)
     rec = Recorder(ensure_writable_dir(out), p.name, seed)

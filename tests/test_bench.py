@@ -371,3 +371,19 @@ def test_gpu_check_summarises_cost_rows_and_training(tmp_path):
     [line] = gpu_check.figures("cost", tmp_path, "")
     assert line == "paper/gdn: 13.00 samples/s, paper 42.81; 53,248 tokens/s; 37 TFLOP/s = 5% of the measured 787; 50.3 GiB"
     assert gpu_check.figures("tests", tmp_path, "F..\n2 failed, 4 passed in 1.0s\n") == ["2 failed, 4 passed in 1.0s"]
+
+
+def test_a_toys_variant_runs_alone(tmp_path):
+    from memzoo.bench.run import run_bench
+    from memzoo.bench.suites import toys
+
+    assert check_layers(["FwPKM/token", "ba"]) == ["fwpkm/token", "ba"]
+    with pytest.raises(ConfigError, match="unknown layer 'nope/token'"):
+        check_layers(["nope/token"])
+    s = load_preset("recall").settings(toys.NAME, toys.Settings)
+    assert toys.cells("fwpkm/token", s) == ["fwpkm/token"]
+    assert toys.cells("fwpkm", s) == ["fwpkm", "fwpkm/shared", *sorted(n for n in s.variants if n.startswith("fwpkm/t"))]
+    with pytest.raises(ConfigError, match="a variant is a toys row"):
+        run_bench("fwpkm/token", "cost", "recall", out=tmp_path, work_dir=tmp_path, progress=False)
+    with pytest.raises(ConfigError, match="defines no such toys variant; it defines fwpkm/shared, fwpkm/token, "):
+        run_bench("fwpkm/tokn", "toys", "recall", out=tmp_path, work_dir=tmp_path, progress=False)

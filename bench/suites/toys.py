@@ -626,7 +626,9 @@ def cell_key(ctx: Context, s: Settings, name: str, task: str, width: int, seed: 
 
 def cells(layer: str, s: Settings) -> list[str]:
     """The models one layer's run trains: the layer and its variants, and with the baseline the
-    controls."""
+    controls; a variant named alone (``--layers fwpkm/token``), only itself."""
+    if layer in s.variants:
+        return [layer]
     variants = sorted(n for n, v in s.variants.items() if v["layer"] == layer)
     return [layer, *variants, *(CONTROLS if layer == BASELINE and s.controls else ())]
 
