@@ -91,7 +91,7 @@ def load_tensors(path: str | Path, map_location="cpu"):
 
 def load_transposed(state_dict: dict, key: str, shape) -> None:
     """For a module's ``_load_from_state_dict``: a 2-D parameter of `shape` that checkpoints saved
-    before 2026-11-26 hold transposed (with unit dimensions, as conv1d's [C, 1, c]): the tensor
+    written before 4e287eb hold transposed (with unit dimensions, as conv1d's [C, 1, c]): the tensor
     under `key`, if it is in that old layout, is replaced by its transpose in place. (Short
     convolutions and LaCT's q/k affine store their weights so that the channels run contiguously:
     memzoo.ops.short_conv says why.)"""

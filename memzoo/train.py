@@ -244,8 +244,8 @@ def cpu_bf16_gemm_is_slow() -> bool:
 
     oneDNN's bf16 GEMM is fast where the CPU has AMX tiles, and bf16 training was the faster on the
     AMD EPYC of the published toy rows (fp32 1.3x slower); on an Intel Xeon whose AMX the hypervisor
-    hides, its ``avx512_bf16`` path is 1.4-3.4x slower than its fp32 one at the toys' shapes (one
-    thread, 2026-11-26; 1.8-1.9x at this shape). There :func:`make_step` multiplies bf16 operands
+    hides, its ``avx512_bf16`` path is 1.4-3.4x slower than its fp32 one at the toys' shapes
+    (docs/performance.md). There :func:`make_step` multiplies bf16 operands
     in fp32."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the product runs on this thread, whose CPU time is measured
@@ -276,9 +276,8 @@ def _bf16_gemms_in_fp32_pass():
         """An inductor post-grad pass: each matrix product of two bf16 CPU matrices (mm, addmm: bf16
         autocast's linear layers and 2-d einsums, forward and backward) becomes the fp32 product of
         the same operands, cast to bf16. Batched products (bmm, baddbmm: chunked attention, the
-        fast-weight reads and writes) stay in bf16: rewriting them too made no step faster (the
-        standard toys' MQAR step, mm/addmm only against all four, one process, 2026-11-26: baseline
-        206 vs 213 ms, LaCT 350 vs 371, FwPKM 300 vs 315, MoM 384 vs 388), and together with the
+        fast-weight reads and writes) stay in bf16: rewriting them too made no step faster
+        (docs/performance.md), and together with the
         GatedDeltaNet mixer's bmm it made inductor save garbage for FwMLP's backward (two bf16
         copies of its per-sequence fast weights, saved for the backward of its chunked reads, held
         fp32-like bit patterns; gradients NaN from Ba's task's first step at 27 tokens; neither
@@ -295,9 +294,7 @@ def _bf16_gemms_in_fp32_pass():
         (``test_bf16_gemms_in_fp32_pass_widens_a_tensor_once_for_all_its_views``): with a copy per
         view, a linear layer's output gradient, read as is and transposed, was written twice in
         fp32 (SwiGLU's backward kernel stored four [4096, 384] fp32 buffers holding two tensors).
-        One copy made the standard MQAR step faster with bit-identical losses (Intel Xeon, one
-        thread, both versions alternating in one process, 2026-11-26), in ms: baseline 208 -> 202,
-        FwPKM 297 -> 292, MoM 373 -> 368, LaCT 377 -> 372."""
+        One copy made the standard MQAR step faster with bit-identical losses (docs/performance.md)."""
 
         def __call__(self, graph: torch.fx.Graph) -> None:
             from torch._guards import detect_fake_mode
@@ -367,11 +364,8 @@ def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: flo
     in fp32). `compile`: run the forward through ``torch.compile(model, dynamic=False)`` (one graph
     per input shape: a batch of another length compiles anew instead of turning every length
     symbolic, which some mixers' compiled code does not support). Compiled bf16 on a CPU whose bf16
-    GEMM is the slower (:func:`cpu_bf16_gemm_is_slow`) multiplies in fp32 (``Bf16GemmsInFp32``): the
-    standard toys' MQAR step on an Intel Xeon without AMX (2026-11-26, one thread, the two compiled
-    steps alternating in one process), in ms: baseline 246 -> 206, FwPKM 316 -> 287, LaCT 386 -> 357
-    (measured with bmm and baddbmm rewritten as well; without them the step is as fast or faster,
-    see ``Bf16GemmsInFp32``)."""
+    GEMM is the slower (:func:`cpu_bf16_gemm_is_slow`) multiplies in fp32 (``Bf16GemmsInFp32``;
+    what it gained: docs/performance.md)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     fwd = model

@@ -1,6 +1,6 @@
 """A rerun of toy cells beside the published rows: does it reproduce them, and what did it cost?
 
-    python -m memzoo.bench.experiments.reruns leaderboards/reruns/standard-toys-2026-11-25
+    python -m memzoo.bench.experiments.reruns leaderboards/reruns/standard-toys-pkm-seeds-100-102 --fresh-seeds
     python -m memzoo.bench.experiments.reruns RERUN_DIR --published leaderboards/results.jsonl
     python -m memzoo.bench.experiments.reruns leaderboards/reruns/standard-toys-pkm-seeds-100-102 --fresh-seeds
 

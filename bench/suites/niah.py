@@ -46,67 +46,18 @@ weighted ``answer_weight`` = 20 in the loss, and asks one needle per haystack (`
 96 tokens (inside the training length) and beyond. The paper preset uses plain text and 5
 needles, as the paper does.
 
-The positive control (issue 13). Before any layer row means something, full attention with a
-short convolution (``ctrl:attention``, the toys' positive control) must copy a needle it can see.
-With the plain LM loss it never did: the answer digits are targets like every token, but they are
-2-5% of a needle window and give no signal until a copy circuit exists (a 4-layer attention LM,
-1500 steps of needle windows only: digits right 0.101, answer loss 2.292 nats, chance 2.303; the
-issue's calibration with 512-token windows saw the same). Weighting the answer tokens 20x forms
-the circuit, but only where needles dominate short windows. The learning curve of
-``python -m memzoo.bench.experiments.niah_control`` (the standard LM, 4 blocks, d=128, batch 16,
-lr 3e-3, bf16; answer digits right on held-out training-format windows; AMD EPYC, one thread):
+The positive control. Full attention with a short convolution (``ctrl:attention``) must copy a
+needle it can see before any layer row means something. With the plain LM loss it never did (the
+answer digits are 2-5% of a needle window); weighting the answer tokens (``answer_weight``) in
+all-needle 128-token windows forms the copy circuit within a CPU budget, hence the standard
+preset's NIAH LMs. One needle per haystack: telling two needles apart is a matter of the LM's
+budget (an induction copy comes before a key-bound one), not of its memory. The calibration runs:
+docs/niah.md.
 
-    window  needle windows    needles  Adam betas   steps  digits right
-    128     all               2        0.9, 0.98    500    0.484  (750: 0.62-0.78; 2000: 0.998)
-    128     all               2        0.9, 0.95    500    0.254
-    128     all (NeedleMix)   1-2      0.9, 0.98    500    0.268
-    128     3/4, batch 32     1-2      0.9, 0.95    500    0.125
-    128     1/2, batch 32     1-2      0.9, 0.95    1000   0.099
-    256     1/2               1-5      0.9, 0.95    1750   0.096  (the first standard recipe)
-    256     1/2               5        0.9, 0.95    2000   0.158
-    256     all               1-5      0.9, 0.95    500    0.099
-    256     all               5        0.9, 0.95    500    0.098
-
-Text windows beside the needle windows, and longer windows, each delay the copy circuit beyond a
-CPU budget (chance = 0.1); Adam's beta2 = 0.95 halves its early progress. Hence the standard
-preset's NIAH LMs: all-needle 128-token windows, beta2 0.98, 2000 steps, and separate plain-text
-LMs for ppl. The 4-layer GDN (the bench's baseline backbone) stayed at chance (0.096) after 2000
-steps of the first row's recipe: recall through a recurrent state is learnt later, if at all, at
-this budget, so the layer rows may well sit at chance while the control passes; what the suite
-then shows is that, not a broken harness.
-
-One needle, not two. The control trained by the suite with that recipe (2000 steps, 1-2 needles per
-window) found the one needle of a haystack every time (exact match 48/48 at 48, 64 and 96 tokens)
-but told two needles apart in 6/48 haystacks at 96 tokens (8/48 at 64; an earlier training of the
-same recipe, 16/48): right on the first digits of the answer (0.96, 0.96, 0.88 of them) and wrong
-on the later ones (0.33, 0.46, 0.69). It copies each digit by matching the digit before it, which
-the other needle's value holds too half the time, an induction copy that a key-bound copy replaces
-later in training (the experiment's best run reached 0.998 of the digits at 2000 steps, the suite's
-two trainings 0.71-0.88). Telling needles apart is then a matter of the LM's budget, not of its
-memory, so the standard preset asks one needle per haystack: what a layer's row shows is whether
-its memory carries a needle across a haystack longer than its training windows (the backbone's
-recurrent state and window cannot), which is the paper's question. More needles (``needles``) need
-longer-trained LMs.
-
-The 128K-token check (not in the default run), one layer per process so that each reads its own
-peak RSS::
+The 128K-token check (not in the default run; peak RSS and speed of untrained models, one layer
+per process: docs/niah.md holds the figures)::
 
     python -m memzoo.bench.suites.niah --preset standard --layers fwpkm --lengths 131072 --iters 1 --samples 1 --untrained
-
-Measured for every layer family (standard preset's models, untrained: this checks memory and speed,
-not recall; AMD EPYC, one thread, 2026-11-25): one 131,072-token haystack streamed in 1024-token
-pieces with the cache carried, then the question.
-
-    layer     peak RSS (GiB)  tokens/s     layer     peak RSS (GiB)  tokens/s
-    baseline  0.57            12,024       mom       0.58             8,554
-    fwpkm     2.11             5,262       linear    0.56            11,779
-    fwmlp     2.05             6,231       ba        0.56             4,311
-    lact      1.65             6,496       fwl       0.58             7,043
-                                           pkm       0.57            10,095
-
-FwPKM, FwMLP and LaCT hold more because their pass over the haystack is one chunk (C = the
-haystack's length, as Sec. 4.3 sets it): the write at the end of the pass keeps what it needs of all
-131K tokens' reads. Everything stays well under the 8 GiB bound.
 """
 
 from __future__ import annotations

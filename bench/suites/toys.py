@@ -9,224 +9,53 @@ blocks, the memory layer at ``at``):
   batches mix every count of ``mqar_kv`` in equal parts (as Zoology trains); each count is
   evaluated on its own, so a row is a capacity curve: accuracy against key-value pairs.
 - ``ar``: Ba et al.'s associative retrieval (2016, Sec. 4.1; :mod:`memzoo.data.assoc_retrieval`),
-  ``c9k8j3f1??c -> 9``, the prediction at the last position being the answer. Training steps
-  cycle through ``ar_pairs``; each is evaluated on its own.
+  ``c9k8j3f1??c -> 9``, the prediction at the last position being the answer.
 
-The memory the only route (``route: memory``, the default and the ``recall`` preset; the headline).
-As Zoology measures a mixer behind a short convolution, the backbone's own token mixing is local:
-sliding windows of ``window`` tokens (4: the 2 blocks reach 2 × 3 = 6 tokens back, `reach`), and
-every MQAR query lies at least ``mqar_gap`` + 1 = 9 tokens after its pair's value (the gap's
-filler sits between the pairs and the queries), so a pair reaches its query only through the
-memory. A window rather than a convolution because it exists in the backbone already and binds a
-key to its value (the pair's two tokens) the same way. ``check_route`` refuses a backbone whose reach
-is not shorter than the gap; the backbone alone and PKM (no fast weights) are negative controls by
-construction, and the harness is invalid if either is above twice chance on any slice. With the
-gap ≥ the chunk (8), every query lies in a later chunk than its pair, so a read-then-write layer
-can read it. MQAR only: Ba's task asks its query right after the pairs. ``route: hybrid`` (the
-``standard`` and ``capacity`` presets) is the second view: the memory behind a GDN, which recalls
-by itself.
-
-Why the paper's FwPKM stays at chance there, and ``fwpkm/token``. A pair is recalled only if the
-read at its query lands on the slots the key wrote (the paper's [HIT], Fig. 5). Behind a mixer the
-query vector mixes the key with its neighbours, which differ between the pair and the query, so
-the read hits 0-2% of the pair's slots; and a top-k read passes no gradient to a slot it did not
-select, so training cannot pull the two queries together (a dense read, linear attention, can).
-Where the query sees the token alone (the first block, before its mixer: the release's site), it
-hits the pair's slots and recalls; the addressing loss then moves the fast sub-keys between
-write and read and wears the recall down as training goes on, fast at the paper's weight 10,
-slowly at the release's 1, not at all at 0 (the sub-keys fixed). ``fwpkm/token`` is that form,
-an extra row beside the paper's ``fwpkm``; its site is our choice (the release puts FwPKM before
-the mixers of later blocks). The forms, one change each: ``python -m
-memzoo.bench.experiments.fwpkm_route``; the runs: docs/toys.md.
+The memory the only route (``route: memory``: the default and the ``recall`` preset, the headline).
+As Zoology measures a mixer behind a short convolution, the backbone's own mixing is local: sliding
+windows of ``window`` tokens (4: two blocks reach 6 tokens back, `reach`), and every MQAR query lies
+at least ``mqar_gap`` + 1 = 9 tokens after its pair (filler between the pairs and the queries), so a
+pair reaches its query only through the memory. A window rather than a convolution: it exists in the
+backbone and binds a key to its value the same way. ``check_route`` refuses a backbone whose reach is
+not shorter than the gap; the backbone alone and PKM (no fast weights) are then negative controls by
+construction, and the harness is invalid if either is above twice chance on any slice. With the gap
+at least the chunk (8), a query lies in a later chunk than its pair, where a read-then-write layer
+reads it. ``route: hybrid`` (``standard``, ``capacity``) is the second view: the memory behind a GDN.
+Behind a mixer the paper's FwPKM stays at chance (its top-k read never lands on the pair's slots and
+passes no gradient to slots it did not select); ``fwpkm/token`` addresses it by the token (the first
+block, before its mixer) and recalls. The measurements: docs/toys.md.
 
 Protocol, per cell (layer, task, width, seed):
 
-1. *Data.* Training batches are drawn from the seed; a validation set and a test set per slice
-   (kv count or pairs) come from generators of their own, the same for every layer and seed.
-2. *Training to convergence.* AdamW, warmup then cosine to ``min_lr_ratio`` × lr at
-   ``max_steps`` (the cap). Every ``eval_every`` steps the model is scored on the validation
-   sets (mean over slices); training stops when that reaches ``target`` (*solved*; with
-   ``solve_on: every``, when every slice reaches it) or, from ``min_steps`` on, has not gained
-   ``min_delta`` for ``patience`` evaluations (*plateau*);
-   otherwise the cap stops it (*capped*: marked in every table, such a cell did not converge).
-   The model kept is the one of the best validation score. ``min_steps`` is there because MQAR
-   is learned in a sudden transition after a long flat phase at chance: the 2-layer GDN of
-   width 64 sat at chance for 450-1800 steps depending on the seed in our runs, and a plateau
-   rule alone stopped one seed at 650 steps that another seed learned at 1800.
-3. *Learning rate on validation.* Each candidate of ``lrs`` (or the layer's own list in
-   ``layer_lrs``: tuned once, recorded in the preset) is trained; the best validation score picks
-   one; only then are the test sets scored. No test number ever chooses anything.
-4. *Seeds.* ``seeds`` seeds per cell (the bench's ``--seed``, +1, ...), one row each; tables show
-   the mean and a 95% t-interval over them, and mark a layer whose interval lies wholly above
-   (▲) or below (▼) the baseline's.
-5. *Controls* (run with the baseline): ``ctrl:attention``, the positive control: full softmax
-   attention in every block with a short convolution on q, k and v (``attn_conv``; Zoology's
-   attention is ``Hybrid([BaseConv, MHA])`` for the same reason), same width and budget; and
-   ``ctrl:none``, the negative control: blocks with no token mixer, which cannot recall
-   (chance: 2/vocab on MQAR for a model that knows the answer is a value, 1/10 on Ba's task).
-   If the positive control misses ``target`` on the easiest slice of a task in any seed, or the
-   negative control is above twice chance, the suite reports the harness as invalid and
-   publishes no layer rows for that task.
+1. *Data.* Training batches are drawn from the seed; a validation and a test set per slice (kv
+   count or pairs) from generators of their own, the same for every layer and seed.
+2. *Training to convergence.* AdamW, warmup then cosine to ``min_lr_ratio`` × lr at ``max_steps``
+   (the cap). Every ``eval_every`` steps the validation sets are scored; training stops when they
+   reach ``target`` (*solved*; with ``solve_on: every``, every slice), or, from ``min_steps`` on,
+   when the score has not gained ``min_delta`` for ``patience`` evaluations (*plateau*); otherwise
+   the cap stops it (*capped*: marked in every table). The model kept is the best on validation.
+   ``min_steps``: MQAR is learned in a sudden transition after a flat phase at chance.
+3. *Learning rate on validation.* Each of ``lrs`` (or ``layer_lrs``) is trained; the best
+   validation score picks one; only then are the test sets scored.
+4. *Seeds.* ``seeds`` per cell, one row each; tables show the mean, a 95% t-interval, the seeds
+   that left chance, and mark a layer whose interval lies wholly above (▲) or below (▼) the baseline's.
+5. *Controls* (run with the baseline): ``ctrl:attention`` (positive: softmax attention in every
+   block with a short convolution on q, k, v, as Zoology's ``Hybrid([BaseConv, MHA])``) and
+   ``ctrl:none`` (negative: no token mixer; chance is 2/vocab on MQAR, 1/10 on Ba's task). If the
+   positive control misses ``target`` on the easiest slice in any seed, or the negative one is above
+   twice chance, the harness is invalid and no layer rows of that task are published.
 
-Evaluation runs batches of ``batch_size`` sequences, as in training: a memory shared by the batch
-(FwPKM as the paper trains it) then holds as many sequences as it did while learning. Before
-every evaluation batch the persistent fast weights go back to their trained value, and after
-validation to where training left them, so evaluating never changes training and batches never
-leak into each other.
-
-State size (the x axis of the capacity plot) is the recurrent state one sequence carries, in
-numbers: every GDN mixer's matrix (heads × head_dim²), the memory layer's fast weights
-(`fast_weight_numel()`), and for attention its KV cache at the sequence length. A memory shared
-by the batch (FwPKM, FwMLP as the paper trains them) is counted whole, which overstates what one
-sequence can use of it. Short-convolution caches are not counted.
-
-Variants (``variants``): extra rows of a layer with other options, run with it, e.g. FwPKM with
-its memory shared by the batch as the paper trains it on text, beside the per-sequence memory
-that in-context recall calls for.
-
-Why FwPKM's memory is per sequence here. As the paper trains it on text, FwPKM's fast weights are
-shared by the sequences of a batch and kept across steps, and with them FwPKM made MQAR recall
-*worse* than the GDN alone (the reason this suite was rebuilt). The cause is the sharing: MQAR
-draws every sequence's keys from the same few tokens and binds them to other values in each
-sequence, and a content-addressed memory sends a key token to the same slots whichever sequence
-it comes from, so the batch's sequences overwrite each other's pairs in the same chunk and a
-later read returns a mixture of the batch's values: noise, added to the residual stream the GDN
-reads too. ``python -m memzoo.bench.experiments.fwpkm_sharing`` (64 tokens, vocabulary 256, 4/8/16
-pairs, batch 64, width 64, 800 steps, seed 0; FwPKM with 64² slots of dim 64, chunk 8), test
-accuracy at 4 / 8 / 16 pairs:
-
-    GDN alone                                   0.537  0.341  0.142
-    + FwPKM shared by the batch (the paper's)   0.043  0.036  0.021
-    + FwPKM per sequence                        0.688  0.457  0.204
-    + per sequence, addressing loss weight 1    0.731  0.547  0.288
-    + per sequence, no addressing loss          0.219  0.095  0.046
-
-The same init, gate and output scale help per sequence and hurt when shared, so they are not the
-cause; the chunk (8 = four pairs) is what lets a query read its own sequence's earlier pairs at
-all. Per sequence the addressing loss matters (without it the keys follow the memorisation loss
-and recall collapses). That the per-sequence memory *beats* the GDN is not settled: these are one
-seed at a fixed budget, and MQAR training is chaotic (whether and when a seed leaves chance moves
-by hundreds of steps with tiny numeric changes); in other single-seed runs it was level with the
-GDN (tiny preset) or below it when capped. That is what the seeds and intervals of the tables
-are for. The standard preset publishes both forms (``fwpkm`` per sequence, ``fwpkm/shared``).
-
-Why FwMLP diverges, and ``fwmlp/clip``. FwMLP's write is one plain SGD step (η = 0.1) on the
-memorisation MSE, stable only while η·λ < 2 for the loss's largest curvature λ in the fast weights;
-h = silu(W_gate q) ⊙ W_up q is quadratic in q, so λ grows as ‖q‖⁴ (the layer's docstring,
-"Stability"). Nothing bounds ‖q‖: on MQAR (per-sequence memory, chunk 8, slow lr 3e-3, seed 0)
-the mean query norm grew from 4.6 to 10.4 in 177 steps and at step 177 a write's gradient was
-non-finite, in fp32 eager and in bf16 alike, at the same step (the trajectory, not the
-precision); all six standard cells stopped as *diverged* within 161-462 steps. The paper's
-FwMLP (and the released run's config, ``fwpkm_grad_clip: false``) has no clipping; the release's
-``FastWeightMLP`` class clips each gradient entry to [-1, 1] by default. The standard table
-holds both: ``fwmlp`` as the paper gives it, and the variant ``fwmlp/clip`` (``grad_clip: true``),
-which trained past that point (MQAR loss below chance by step 400; its seeds: MQAR solved at 1000
-steps, capped at 2000, plateau at 1900; AR solved in 700-1000). The variant's rows were recorded by
-the standard preset until 2026-11-26; the preset leaves it out since (its six published cells took 1.03
-thread-hours on AMD EPYC, the most of any group that no registered layer needs, and the preset
-is held to 3 hours on two cores). zoo_configs/bench/standard.yaml says how to re-run it.
-
-Update chunks. A chunk-level layer (FwPKM, FwMLP, LaCT) reads its memory before it writes
-the chunk, so with the preset's chunks (32-256 tokens) a toy sequence would be a single chunk and
-no pair of it could ever be recalled from the memory. The presets give them chunks of a few pairs
-(``layer_options``): pairs start at even positions, so with an even chunk a pair never straddles
-two chunks (FwPKM's and FwMLP's lookahead binds a key to the next token inside a chunk), and a
-query reads every pair written in earlier chunks. A query inside its own pair's chunk is left to
-the GDN mixers. FWL is not such a layer: inside its chunk, position t reads the loss gradients
-of every earlier position (Eq. 2, causal linear attention), and its chunk is Sec. 3's segment,
-after which the carried update decays. It keeps the preset's chunk (256 tokens), so a toy
-sequence is one segment: the paper's plain FWL. With chunks of 8 its earlier pairs decayed every
-8 tokens and each step updated the per-sequence fast weights (2 × 128 × 512 numbers) 8 times,
-3x the layer's time (forward and backward, batch 64 × 64 tokens, fp32 eager, one thread on an
-Intel Xeon beside a running bench: 1.40 s against 0.47 s).
-
-Calibration (why the standard preset is 2 layers of width 128, batches of 64). MQAR is learned in
-a sudden transition after a flat phase, and whether a seed gets there within a CPU budget depends
-on the model's width far more than on steps. GDN baseline, vocabulary 64, lr 3e-3, test accuracy
-at 4 / 8 / 16 pairs (64 tokens) or 8 / 16 / 32 pairs (128 tokens):
-
-    width  tokens  batch  seed  steps (stop)      accuracy
-    64     64      32     0     ~1800 (plateau)   0.98 0.99 0.97
-    64     64      32     1     2000 (capped)     chance; lr 1e-3: 0.24 0.13 0.08; lr 1e-2: chance
-    64     64      64     0     1600 (plateau)    0.985 0.980 0.931
-    64     64      64     1     1500 (plateau)    0.237 0.127 0.077; with a cap of 4000: 0.254 0.145 0.101 (3300)
-    64     64      64     2     2000 (capped)     0.704 0.571 0.397, still rising
-    64     128     16     0     2000 (plateau)    0.038 0.032 0.026 (vocabulary 80)
-    128    128     16     1     2400 (plateau)    0.067 0.056 0.043 (vocabulary 80)
-    128    64      32     1     2000 (capped)     0.169 0.120 0.085
-    128    64      32     2     1300 (solved)     0.989 0.992 0.995
-    128    64      64     1     1000 (solved)     0.988 0.992 0.997
-    128*   64      32     1     3000 (capped)     0.892 0.834 0.643, still rising (*16 GDN heads of 8)
-
-So at width 64 a cell's mean measures whether the seeds happened to learn, not the layer. Width 128
-with batches of 64 learned the seed that failed every smaller setting; what that costs is capacity: 16 pairs (the most
-64 tokens hold) do not fill the GDN's state, and 128-token sequences, where they would, were not
-learned within the budget. The capacity curve therefore stays above 0.5 for the baseline.
-
-Capacity: the ``capacity`` preset (zoo_configs/bench/capacity.yaml). At 64 tokens the standard
-GDN recalls all 16 pairs a sequence holds, and so does a GDN of 32 heads of 4 trained long enough
-(0.98 / 0.96 / 0.89 at 4 / 8 / 16 pairs after 6000 steps); at 128 tokens the standard GDN holds 32
-pairs; it would fall below 0.5 only past 32 pairs, at 256+ tokens, ~4x the standard cell's step.
-So the preset keeps 128 tokens (8 / 16 / 32 pairs, vocabulary 128) and shrinks the GDN's state at
-the same width: 4 heads of 16 (``toys.model: {gdn_head_dim: 16}``), 2048 numbers over the 2 layers
-instead of 8192; smaller states (heads of 8) stayed near chance for 2400-4000 steps. It solves on
-every slice at 0.995 (``solve_on: every``): at this length attention's weakest slice is the fewest
-pairs, and the mean at 0.99 stopped it below 0.99 there. Its rows: the harness is valid, the baseline
-is below 0.5 at 32 pairs in every seed (mean 0.491 / 0.345 / 0.208 at 8 / 16 / 32), FwPKM per
-sequence is above it in the mean at every count (0.535 against 0.208 at 32 pairs) but capped in
-every seed, with intervals wider than the gap. At this state size whether a seed leaves MQAR's flat
-phase within the budget decides a cell, for every model: ``fwpkm/shared``'s seed 0 at chance is the
-whole model still in the flat phase, not a read of the shared memory hiding recall (``python -m
-memzoo.bench.experiments.fwpkm_sharing --capacity 0``). The pilots and the runs, with their numbers:
-bench/experiments/toys_log.md, "Capacity".
-
-Reproducibility. ``python -m memzoo.bench.experiments.reruns DIR`` reads a rerun (``memzoo bench
---suite toys --out DIR``, the same configs and seeds) beside the published rows: each slice's mean
-against the published 95% interval, the model pairs the published intervals separate and whether
-the rerun keeps their order, and what the rerun cost. Training is deterministic on one machine, not
-across processors (matmuls round differently), and MQAR training is chaotic: on another processor
-single seeds take other paths (a seed capped at chance on one was solved on the other), and the
-intervals over seeds are what carries over. PKM's cells with a fresh seed set (seeds 100-102, AMD
-EPYC, as published): all six slice means inside the published intervals; run again with the
-baseline and the controls (``leaderboards/reruns/standard-toys-pkm-seeds-100-102``, read with
-``reruns --fresh-seeds``), PKM five of six (AR at 4 pairs 0.999 against a published 1.000 ± 0.000)
-and the baseline six of six. The whole preset re-run on
-an Intel Xeon (``leaderboards/reruns/standard-toys-2026-11-26``): 64 of 78 slice means inside (the
-others mostly single rerun seeds against a zero-width published interval), and of the 36 model pairs
-whose published intervals are disjoint, 35 in the same order and none separated the other way. The
-runs: bench/experiments/toys_log.md, "Reproducibility".
-
-Speed. Toy training runs in bf16 autocast with torch.compile (``precision``, ``compile``; the
-losses of fp32 eager within 0.01 after 40 steps for every layer; evaluation stays fp32 eager), with
-GDN chunks of 16 (``model.gdn_chunk``). Memory layers whose forward is a Python loop over tokens
-(Ba) or takes gradients inside (FWL's head loss) run that part eager inside the compiled model. On
-a CPU whose bf16 GEMM is the slower (``memzoo.train.cpu_bf16_gemm_is_slow``, timed at the start of
-each process; rows record it as ``hardware.bf16_gemm_in_fp32``) the compiled step multiplies the
-same bf16 operands in fp32 (``memzoo.train.Bf16GemmsInFp32``), as oneDNN's bf16 GEMM sums in fp32:
-configs and hashes stay. ``python -m memzoo.bench.benchmarks.bench_toys --before 279a062`` times the
-standard MQAR cell's step as the code trained it when issue 12 asked for 2x (fp32 eager, GDN chunk
-64) against this code, alternating, one thread a side:
-
-    processor, code                              baseline (GDN)   FwPKM
-    AMD EPYC, 2026-11-25                         2.04x            2.30x    (22.7-22.9k, 18.8-19.2k tokens/s)
-    Intel Xeon, avx512_bf16, no AMX, dfe1f3c     1.59x            1.73x    (17.8-18.4k, 13.2-14.1k tokens/s)
-    the same Xeon, 4e287eb (weights laid out     1.71x            1.84x    (18.9-21.8k, 14.3-15.5k tokens/s;
-      for vectorized code, below)                                            runs 1.55x 1.87x; 1.88x 1.80x)
-    AMD EPYC (family 25 model 17), 823c91b       2.70x            2.82x    (24.4-28.8k, 20.4-21.5k tokens/s;
-      2026-11-26, --reps 3                                                   runs 2.59x 3.24x 2.70x; 3.21x 2.82x 2.66x)
-    the same model of EPYC, 003b3aa, 2026-11-27  2.68x            2.77x    (28.5-30.5k, 20.9-22.5k tokens/s;
-                                                                             runs 2.58x 2.68x 2.74x; 2.64x 2.77x 2.80x)
-
-On the Xeon, fp32 GEMMs run at ~170 GFLOPS on one thread and bf16 ones at half of it (4096 x 128 x
-384, 2026-11-26), so the fp32 eager step of 279a062 is relatively fast there, and the GEMMs of the
-compiled step, in fp32, are near that peak already: ~80 ms of the baseline's ~210 ms (torch.profiler). Counted as one uninterrupted run on two workers
-(``reruns``), the standard toys took ~2.8 h on the EPYC of the published rows and ~3.1 h on that
-Xeon at dfe1f3c, where training is ~77% of the time, cold compiles ~15% (12-360 s a group; Ba's
-task, three input shapes, the costliest) and evaluations ~6%. Compiled CPU code vectorizes a loop
-only where every tensor it reads runs contiguously along the channels: the short convolutions'
-weights are therefore stored taps first and LaCT's q/k affine as rows (4e287eb; 4-8% off the step
-of the models measured, the same losses). What each change gained and what was tried and
-not kept, measured: bench/experiments/toys_log.md, "Speed" and "The standard preset's budget".
+Evaluation runs batches of ``batch_size`` sequences, as training does; persistent fast weights go
+back to their trained value before every evaluation batch and to where training left them after it.
+State size (the capacity figure's x axis): the recurrent state one sequence carries, in numbers
+(GDN matrices, the memory's fast weights, attention's KV cache at the sequence or window length).
+Variants (``variants``): extra rows of a layer with other options or another place (``at``), run
+with the layer or alone (``memzoo bench --layers fwpkm/token``). Chunk-level layers (FwPKM, FwMLP,
+LaCT) read before they write a chunk, so the presets give them chunks of a few pairs; FWL keeps a
+chunk as long as the sequence (the paper's plain FWL). Training runs in bf16 autocast with
+torch.compile (``precision``, ``compile``); evaluation in fp32 eager. ``python -m
+memzoo.bench.experiments.reruns DIR`` reads a rerun beside the published rows. Why each choice,
+with its measurements: docs/toys.md; speed: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -13,9 +13,7 @@ The weights are stored taps first, ``w [c, C]`` (the transpose of conv1d's ``[C,
 tap j's C weights lie side by side, as the inputs' channels do: torch.compile's CPU code then runs
 the multiply-adds in vector registers. With conv1d's layout the weight's stride along the channels
 is c, and inductor wrote every loop that reads it as scalar code (a transposed copy made in the
-graph is folded back into the strided read): the GDN baseline's standard toy MQAR step took 200 ms
-with it and 189 ms taps first (the two alternating in one process, one thread, Intel Xeon, bf16
-compiled; the same losses to the last digit, 2026-11-26).
+graph is folded back into the strided read). Measured: docs/performance.md.
 """
 
 from __future__ import annotations
