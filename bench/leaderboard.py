@@ -33,13 +33,41 @@ def frame(rows: list[dict]):
     return pd.json_normalize([{k: v for k, v in r.items() if k not in _DROP} for r in rows])
 
 
-def _groups(rows: list[dict]):
-    """(suite, preset, module, DataFrame) for every suite and preset present, in the suites' order."""
+def _groups(rows: list[dict], with_rows: bool = False):
+    """(suite, preset, module, DataFrame) for every suite and preset present, in the suites' order
+    (and the rows themselves, with `with_rows`)."""
     rows = latest(rows)
     for name in NAMES:
         for preset in sorted({r["preset"] for r in rows if r["suite"] == name}):
             sub = [r for r in rows if r["suite"] == name and r["preset"] == preset]
-            yield name, preset, suite(name), frame(sub)
+            yield (name, preset, suite(name), frame(sub)) + ((sub,) if with_rows else ())
+
+
+def machine(r: dict) -> str:
+    """The processor a row was measured on: the GPU's name, else the CPU's."""
+    return r["hardware"].get("gpu") or r["hardware"]["cpu"]
+
+
+def provenance(rows: list[dict]) -> str:
+    """One line: the processors and code versions the shown rows come from, marked where they mix."""
+    def count(key) -> list[tuple[str, int]]:
+        seen: dict[str, int] = {}
+        for r in rows:
+            seen[key(r)] = seen.get(key(r), 0) + 1
+        return sorted(seen.items(), key=lambda kv: (-kv[1], kv[0]))
+
+    procs = count(machine)
+    shas = count(lambda r: r["git_sha"][:7] + ("+dirty" if r["git_sha"].endswith("+dirty") else ""))
+    protos = count(lambda r: str(r.get("config", {}).get("version", "")))
+    where = ", ".join(f"{p} ({n} row{'s' if n > 1 else ''})" for p, n in procs)
+    code = ", ".join(f"{s} ({n})" for s, n in shas[:6]) + (f" and {len(shas) - 6} more" if len(shas) > 6 else "")
+    line = f"*Measured on {where}" + ("" if len(procs) == 1 else ": **mixes processors**")
+    line += f"; code of {len(shas)} commit{'s' if len(shas) > 1 else ''} ({code})"
+    if len(protos) > 1:
+        line += "; **mixes protocol versions** " + ", ".join(f"{v or 'unversioned'} ({n})" for v, n in protos)
+    elif protos[0][0]:
+        line += f"; protocol version {protos[0][0]}"
+    return line + ".*"
 
 
 def markdown(table) -> str:
@@ -75,10 +103,10 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
         "row is shown.",
         "",
     ]
-    for name, preset, mod, df in _groups(rows):
+    for name, preset, mod, df, shown in _groups(rows, with_rows=True):
         lines += [f"## {name} — preset `{preset}`", ""]
         doc = (mod.__doc__ or "").strip().split("\n\n")[0]
-        lines += [doc, ""]
+        lines += [doc, "", provenance(shown), ""]
         for title, table in mod.tables(df).items():
             lines += [f"**{title}**", "", markdown(table), ""]
         note = getattr(mod, "EXPLANATION", None)
