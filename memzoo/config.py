@@ -172,14 +172,19 @@ class ModelConfig:
 
         _check_fields(self, where, _MODEL_RANGES)
         try:
-            parse_layout(self.layout, self.n_layers)
+            layout = parse_layout(self.layout, self.n_layers)
         except ValueError as e:
             raise ConfigError(f"{where}.layout: {_one_line(e)}") from None
+        placed = [name for name, _ in layout.memories]
         memory = {}
         for name, opts in self.memory.items():
             key = check_layer_options(name, opts, self.d_model, f"{where}.memory.{name}")
             if key in memory:  # e.g. `fwpkm` in a base and `FwPKM` in the file: say so, do not drop one
                 raise ConfigError(f"{where}.memory names layer {key!r} twice (as {name!r} too)")
+            if key not in placed:  # options nothing reads are a mistake, not a default
+                raise ConfigError(f"{where}.memory.{name}: options for layer {key!r}, which the layout {self.layout!r} "
+                                  f"does not place ({'its memory layers: ' + ', '.join(placed) if placed else 'it has no memory layer'}); "
+                                  f"add it to the layout (e.g. '{self.layout.split('|')[0].strip()} | {key}@0') or drop the options")
             memory[key] = opts
         self.memory = memory
 

@@ -154,6 +154,7 @@ def test_preset_unknown_section_is_named(tmp_path, old):
 
 BASE = """\
 model:
+  layout: "GDN | FwPKM@1"
   vocab_size: 257
   d_model: 32
   n_layers: 2
@@ -180,7 +181,6 @@ paper: {params_m: 1.5}
     assert rc.model.memory == {"fwpkm": {"key_dim": 16, "value_dim": 16, "n_subkeys": 8, "topk": 4, "chunk_size": 16}}
     assert (rc.train.steps, rc.train.seed, rc.train.lr) == (9, 3, 1e-3) and rc.paper == {"params_m": 1.5}
     flat = BASE.replace("topk: 2", "topk: 4").replace("steps: 7", "steps: 9")  # the same, written out
-    flat = flat.replace("model:\n", 'model:\n  layout: "GDN | FwPKM@1"\n')
     assert load_config(_files(tmp_path, flat=flat)).to_dict() == rc.to_dict()
     # a base may have a base; the nearest wins; a bare section changes nothing
     grand = _files(tmp_path, more="base: run.yaml\nmodel:\ntrain: {seed: 5}\n")
@@ -251,3 +251,12 @@ def test_shipped_configs_state_only_what_differs_from_their_base():
         rc = load_config(p)
         assert rc.train.to_dict() == TrainConfig(lr=3e-3, min_lr=3e-4, out_dir=f"runs/tiny-{p.stem}").to_dict(), p.name
         assert (rc.model.vocab_size, rc.model.d_model, rc.model.n_layers, rc.model.ffn_dim) == (257, 128, 4, 384)
+
+
+@pytest.mark.parametrize("layout,placed", [("GDN", "it has no memory layer"), ("GDN | linear@1", "its memory layers: linear")])
+def test_options_for_a_layer_the_layout_does_not_place_are_one_error(layout, placed):
+    # they were silently ignored: a config that meant to set FwPKM's options trained without them
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dict({"layout": layout, "d_model": 32, "n_layers": 2, "memory": {"fwpkm": {"topk": 4}}})
+    msg = str(e.value)
+    assert "\n" not in msg and "model.memory.fwpkm" in msg and repr(layout) in msg and placed in msg

@@ -162,7 +162,8 @@ def test_stats_report_usage_gates_entropy_and_trace():
 @pytest.mark.parametrize("layout", ["GDN | FwPKM@1", "GDN+SWA | PKM@0 + FwPKM@1"])
 def test_fwpkm_trains_in_a_model(layout):
     torch.manual_seed(0)
-    model = HybridLM.from_layout(layout, **TINY_LM, memory={"fwpkm": layer_options("fwpkm"), "pkm": layer_options("pkm")})
+    memory = {n: layer_options(n) for n in ("fwpkm", "pkm") if f" {n}@" in layout.lower().replace("+", " ")}
+    model = HybridLM.from_layout(layout, **TINY_LM, memory=memory)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(0, 50, (2, 33))
     losses = []

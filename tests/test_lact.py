@@ -304,7 +304,7 @@ def test_paper_config_params(capsys):
     out = capsys.readouterr().out
     n = count_params(rc.model)
     assert f"{n / 1e6:.2f}" in out and "SWA | LaCT@all" in out
-    swa_only = count_params(dataclasses.replace(rc.model, layout="SWA"))
+    swa_only = count_params(dataclasses.replace(rc.model, layout="SWA", memory={}))
     assert n - swa_only == 12 * lact_layer_params(768, 4, 1.0, 32)
     print(f"paper/lact: {n:,} parameters ({n / 1e6:.2f} M); SWA backbone alone {swa_only:,}")
 
@@ -313,7 +313,7 @@ def test_tiny_config_builds():
     rc = load_config("tiny/swa-lact")
     model = HybridLM(rc.model)
     assert len(model.memories()) == rc.model.n_layers and all(isinstance(m, LaCT) for m in model.memories())
-    assert count_params(rc.model) - count_params(dataclasses.replace(rc.model, layout="SWA")) == 4 * lact_layer_params(
+    assert count_params(rc.model) - count_params(dataclasses.replace(rc.model, layout="SWA", memory={})) == 4 * lact_layer_params(
         128, 4, 1.0, None
     )
 

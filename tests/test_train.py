@@ -13,7 +13,7 @@ from memzoo.train import lr_at, train
 def _rc(tmp_path, layout="GDN+SWA | linear@1", **train_kw) -> RunConfig:
     model = ModelConfig(layout=layout, vocab_size=257, d_model=32, n_layers=2, ffn_dim=64,
                         attn_heads=2, attn_kv_heads=1, attn_head_dim=16, window=16, gdn_heads=2, gdn_head_dim=16,
-                        gdn_chunk=16, memory={"fwpkm": layer_options("fwpkm")})
+                        gdn_chunk=16, memory={"fwpkm": layer_options("fwpkm")} if "fwpkm" in layout.lower() else {})
     tc = dict(seq_len=32, batch_size=4, steps=8, warmup=2, lr=3e-3, min_lr=3e-4, eval_every=4, eval_batches=2,
               ckpt_every=2, out_dir=str(tmp_path / "run"))
     tc.update(train_kw)
