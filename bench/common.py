@@ -28,6 +28,7 @@ import os
 import platform
 import subprocess
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,9 +272,13 @@ class Recorder:
         }
         line = json.dumps(_finite_or_null(row), sort_keys=True, default=_jsonable, allow_nan=False) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
+        with open(self.path, "ab+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
-            f.write(line)
+            end = f.seek(0, os.SEEK_END)
+            if end:  # after a torn last line (no newline), the row starts a line of its own
+                f.seek(end - 1)
+                line = ("" if f.read(1) == b"\n" else "\n") + line
+            f.write(line.encode())
             f.flush()
             os.fsync(f.fileno())
             fcntl.flock(f, fcntl.LOCK_UN)
@@ -304,11 +309,37 @@ def _jsonable(x):
     return str(x)
 
 
+class ResultsError(ValueError):
+    """A line of results.jsonl that is not a result row; the message names file:line."""
+
+
+_ROW_KEYS = ("suite", "preset", "layer", "setting", "seed", "metrics", "config_hash", "run_id", "time")
+
+
 def read_results(path: str | Path) -> list[dict]:
+    """The rows of a results.jsonl. A torn last line (a write cut short) is skipped with a
+    warning; any other line that is not a row is a ResultsError naming file:line."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == last:
+                warnings.warn(f"{path}:{i + 1}: the last line is not a whole row (a write cut short?); skipped", stacklevel=2)
+                continue
+            raise ResultsError(f"{path}:{i + 1}: not a JSON row ({e.msg}, column {e.colno}); repair or delete that line") from None
+        if not isinstance(row, dict) or (missing := [k for k in _ROW_KEYS if k not in row]):
+            what = f"lacks {', '.join(missing)}" if isinstance(row, dict) else f"is a JSON {type(row).__name__}"
+            raise ResultsError(f"{path}:{i + 1}: not a result row (it {what}); repair or delete that line")
+        rows.append(row)
+    return rows
 
 
 # ---- the run context handed to every suite ---------------------------------------------------

@@ -402,3 +402,27 @@ def test_each_published_table_says_what_its_rows_mix():
     assert "AMD EPYC (2 rows), Intel Xeon (1 row), NVIDIA H200 (1 row): **mixes processors**" in line
     assert "code of 3 commits" in line and "bbbbbbb+dirty (1)" in line
     assert "**mixes protocol versions** 2 (3), 1 (1)" in line
+
+
+def test_a_torn_last_row_is_skipped_with_a_warning_and_the_next_row_starts_its_own_line(tmp_path):
+    rec = Recorder(tmp_path, "tiny", 0)
+    rec.add("cost", "baseline", {"b": 1}, {"x": 1.0}, {"c": 1}, 0.1)
+    path = tmp_path / "results.jsonl"
+    whole = path.read_text()
+    path.write_text(whole + whole[: len(whole) // 2])  # a second write cut short
+    with pytest.warns(UserWarning, match=r"results.jsonl:2: the last line is not a whole row"):
+        assert len(read_results(path)) == 1
+    rec.add("cost", "baseline", {"b": 2}, {"x": 2.0}, {"c": 1}, 0.1)  # after the torn line, on a line of its own
+    with pytest.raises(Exception, match=r"results.jsonl:2: not a JSON row .*repair or delete that line"):
+        read_results(path)  # the torn line is no longer the last: an error naming it
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], lines[2], "[1, 2]"]) + "\n")
+    with pytest.raises(Exception, match=r"results.jsonl:3: not a result row \(it is a JSON list\)"):  # not torn
+        read_results(path)
+
+
+def test_the_leaderboard_names_a_bad_line_in_one_line(tmp_path, capsys):
+    (tmp_path / "results.jsonl").write_text('{"suite": "cost"}\n{"x": 1}\n')
+    assert main(["leaderboard", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "results.jsonl:1: not a result row (it lacks preset, layer, setting, seed, metrics, config_hash, run_id, time)" in err
