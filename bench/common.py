@@ -371,8 +371,33 @@ class Context:
 
     def advance(self, units: int, doing: str) -> None:
         """`units` units of work are done; `doing` says what runs now."""
+        self._step = self._step + units if doing == self._doing else units
+        self._doing = doing
         if self.on_work is not None:
             self.on_work(units, doing)
+
+    _doing: str = field(default="", init=False, repr=False)  # what runs now and its units done (a toy cell's
+    _step: int = field(default=0, init=False, repr=False)  # steps): where a failure happened
+
+    def fail(self, suite: str, layer: str, part, exc: BaseException) -> dict:
+        """A measurement that raised: its traceback appended to ``<work dir>/logs/<run id>.log``, one
+        line saying which and where on stderr, and a row of suite ``failed`` (no table reads it;
+        ``--resume`` measures the cell again)."""
+        import sys
+        import traceback
+
+        log = self.work_dir / "logs" / f"{self.recorder.run_id}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        what = " ".join(map(str, part)) if part else "(all of it)"
+        with open(log, "a") as f:
+            f.write(f"== {suite} {layer} {what}, in {self._doing!r} at unit {self._step}\n")
+            f.write("".join(traceback.format_exception(exc)) + "\n")
+        error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
+        print(f"memzoo bench: FAILED {suite} {layer} {what} in {self._doing or suite!r} at step {self._step}: "
+              f"{error} (traceback: {log})", file=sys.stderr, flush=True)
+        setting = {"suite": suite, "part": list(part) if part else None}
+        return self.recorder.add("failed", layer, setting, {"error": error, "where": self._doing, "step": self._step,
+                                                           "log": str(log)}, setting, 0.0)
 
 
 # ---- rendering helpers shared by the suites' tables and figures -------------------------------

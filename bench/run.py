@@ -23,6 +23,7 @@ and measured models (cost); with an ETA and, after it, what each worker is doing
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,11 +72,16 @@ class Job:
     group: tuple | None = None  # the jobs that compile the same graphs (a toy cell's other seeds)
 
     def run(self, ctx: Context) -> None:
+        """Run the job's suites; one that raises is recorded as failed (`Context.fail`) and the
+        run goes on."""
         for s in self.suites:
-            if self.part is None:
-                suite(s).run(ctx, [self.layer])
-            else:
-                suite(s).run(ctx, [self.layer], only=[self.part])
+            try:
+                if self.part is None:
+                    suite(s).run(ctx, [self.layer])
+                else:
+                    suite(s).run(ctx, [self.layer], only=[self.part])
+            except Exception as e:
+                ctx.fail(s, self.layer, self.part, e)
 
 
 def plan(ctx: Context, layers: list[str], todo: list[str]) -> list[Job]:
@@ -297,8 +303,12 @@ def run_bench(
                 proc.join()
         rec.rows = [r for r in read_results(rec.path) if r["run_id"] == rec.run_id]
     bar.close()
-    print(f"\nmemzoo bench: {len(rec.rows)} rows in {time.time() - t0:.0f} s -> {rec.path}\n")
+    failed = [r for r in rec.rows if r["suite"] == "failed"]
+    print(f"\nmemzoo bench: {len(rec.rows) - len(failed)} rows in {time.time() - t0:.0f} s -> {rec.path}\n")
     print_tables(_with_recorded(rec, names, todo) if resume else rec.rows)
+    for r in failed:
+        print(f"memzoo bench: FAILED {r['setting']['suite']} {r['layer']} {' '.join(map(str, r['setting']['part'] or []))}: "
+              f"{r['metrics']['error']} (traceback: {r['metrics']['log']})", file=sys.stderr)
     return rec.rows
 
 

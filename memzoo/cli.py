@@ -83,8 +83,12 @@ def cmd_train(args) -> int:
 def cmd_bench(args) -> int:
     from memzoo.bench.run import run_bench
 
-    run_bench(args.layers, args.suite, args.preset, args.seed, args.out, args.work_dir, args.device, not args.quiet, args.jobs,
-              args.resume)
+    rows = run_bench(args.layers, args.suite, args.preset, args.seed, args.out, args.work_dir, args.device, not args.quiet,
+                     args.jobs, args.resume)
+    if failed := sum(r["suite"] == "failed" for r in rows):
+        print(f"memzoo bench: {failed} measurement{'s' if failed > 1 else ''} failed (above); the others are recorded",
+              file=sys.stderr)
+        return 1
     return 0
 
 

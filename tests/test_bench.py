@@ -426,3 +426,28 @@ def test_the_leaderboard_names_a_bad_line_in_one_line(tmp_path, capsys):
     assert main(["leaderboard", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "results.jsonl:1: not a result row (it lacks preset, layer, setting, seed, metrics, config_hash, run_id, time)" in err
+
+
+def test_a_failing_measurement_is_one_line_a_row_and_the_exit_status(micro, tmp_path, monkeypatch, capsys):
+    from memzoo.bench.suites import ppl
+
+    real = ppl.run
+
+    def breaks_for_fwpkm(ctx, layers, *a, **k):
+        if layers == ["fwpkm"]:
+            ctx.advance(5, "ppl fwpkm LM training")  # five steps in, then a fault
+            raise RuntimeError("boom\nsecond line")
+        return real(ctx, layers, *a, **k)
+
+    monkeypatch.setattr(ppl, "run", breaks_for_fwpkm)
+    args = ["bench", "--preset", str(micro), "--layers", "fwpkm", "--suite", "ppl", "--jobs", "1", "--quiet",
+            "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")]
+    assert main(args) == 1  # the exit status says that a measurement failed
+    err = capsys.readouterr().err
+    [line] = [ln for ln in err.splitlines() if ln.startswith("memzoo bench: FAILED")][:1]
+    assert "ppl fwpkm" in line and "at step 5" in line and "RuntimeError: boom second line" in line and ".log)" in line
+    rows = read_results(tmp_path / "out" / "results.jsonl")
+    assert {r["layer"] for r in rows if r["suite"] == "ppl"} == {"baseline"}  # the rest of the run went on
+    [failed] = [r for r in rows if r["suite"] == "failed"]
+    assert failed["layer"] == "fwpkm" and failed["metrics"]["step"] == 5
+    assert "RuntimeError: boom" in (tmp_path / "work" / "logs" / f"{failed['run_id']}.log").read_text()
