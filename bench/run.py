@@ -182,10 +182,13 @@ def _worker(args: dict, wid: int, jobs, threads: int, queue) -> None:
     """A worker process: runs jobs from the `jobs` queue until it holds None, reporting
     ("work", wid, units, doing) for each unit of work, then ("end", wid, 0, ""). It ends with
     the bench process that started it. Its compile cache is the run's (the environment's: `compile_cache`)."""
+    import signal
+
     import torch
 
     from memzoo.train import tune_cpu
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the terminal's whole group: the bench stops its workers
     exit_with(args["parent"])
     torch.set_num_threads(threads)
     tune_cpu()

@@ -167,6 +167,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = p.parse_args(argv)
     try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print(f"\nmemzoo {args.cmd}: interrupted; what was recorded is kept"
+              + (" (--resume continues)" if args.cmd == "bench" else ""), file=sys.stderr)
+        return 130
+
+
+def _run(args) -> int:
+    try:
         from memzoo.registry import add_plugin, load_plugins
 
         for mod in args.plugin:

@@ -175,6 +175,9 @@ class ModelConfig:
             layout = parse_layout(self.layout, self.n_layers)
         except ValueError as e:
             raise ConfigError(f"{where}.layout: {_one_line(e)}") from None
+        if self.attn_head_dim % 2 and any(m in ("SWA", "FA", "FA-pSWA") for m in layout.mixers):
+            raise ConfigError(f"{where}.attn_head_dim: {self.attn_head_dim} is odd; the attention's rotary embedding "
+                              "turns pairs of dimensions, so give an even head size (or other attn_heads for this width)")
         placed = [name for name, _ in layout.memories]
         memory = {}
         for name, opts in self.memory.items():

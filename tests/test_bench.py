@@ -451,3 +451,61 @@ def test_a_failing_measurement_is_one_line_a_row_and_the_exit_status(micro, tmp_
     [failed] = [r for r in rows if r["suite"] == "failed"]
     assert failed["layer"] == "fwpkm" and failed["metrics"]["step"] == 5
     assert "RuntimeError: boom" in (tmp_path / "work" / "logs" / f"{failed['run_id']}.log").read_text()
+
+
+def test_ctrl_c_in_a_terminal_stops_the_bench_and_its_workers_at_once(tmp_path):
+    """Ctrl-C in a terminal (a pseudo-terminal here) sends SIGINT to the bench and its workers alike:
+    the bench stops them and exits 130 within 5 s, results.jsonl whole, saying --resume continues."""
+    import os
+    import pty
+    import select
+    import sys
+    import time
+
+    import fcntl
+    import struct
+    import termios
+
+    out, micro = tmp_path / "out", tmp_path / "micro.yaml"
+    toys = {"tasks": ["mqar"], "widths": [32], "seeds": 1, "lrs": [1e-3], "max_steps": 5000, "min_steps": 5000,
+            "model": {"layout": "SWA", "window": 4, "attn_heads": 2, "attn_kv_heads": 2}, "compile": False,
+            "precision": "fp32"}
+    micro.write_text(yaml.safe_dump({**MICRO, "toys": toys}))  # cells that train for minutes
+    cmd = [sys.executable, "-m", "memzoo.cli", "bench", "--preset", str(micro), "--layers", "fwpkm", "--suite", "toys",
+           "--jobs", "2", "--out", str(out), "--work-dir", str(tmp_path / "work")]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a session of its own whose controlling terminal is the pty
+        os.execv(sys.executable, cmd)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # wide enough for the workers' status
+    seen, t_end = b"", time.time() + 120
+
+    def read(until: float) -> None:
+        nonlocal seen
+        while time.time() < until:
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(fd, 65536)
+                except OSError:  # the child closed the terminal: it ended
+                    return
+
+    while not (b"1: toys" in seen and b"2: toys" in seen) and time.time() < t_end:
+        read(time.time() + 1)  # until both workers train
+    assert b"1: toys" in seen and b"2: toys" in seen, seen[-2000:]
+    os.write(fd, b"\x03")  # Ctrl-C
+    t0 = time.time()
+    status = None
+    while time.time() - t0 < 20:
+        if select.select([fd], [], [], 0.1)[0]:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:
+                pass
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        status = None
+    took = time.time() - t0
+    assert status is not None and os.waitstatus_to_exitcode(status) == 130, seen[-2000:]
+    assert took < 5, took
+    assert b"interrupted; what was recorded is kept (--resume continues)" in seen
+    read_results(out / "results.jsonl")  # whole: no torn line, no error

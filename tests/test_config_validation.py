@@ -260,3 +260,11 @@ def test_options_for_a_layer_the_layout_does_not_place_are_one_error(layout, pla
         ModelConfig.from_dict({"layout": layout, "d_model": 32, "n_layers": 2, "memory": {"fwpkm": {"topk": 4}}})
     msg = str(e.value)
     assert "\n" not in msg and "model.memory.fwpkm" in msg and repr(layout) in msg and placed in msg
+
+
+def test_an_odd_attention_head_size_is_one_error_where_attention_is_used():
+    # it failed at the first forward, inside RoPE ("size of tensor a (5) must match ... (6)"): a toy width of
+    # 64 over the default 12 attention heads
+    with pytest.raises(ConfigError, match=r"model.attn_head_dim: 5 is odd; the attention's rotary embedding"):
+        ModelConfig.from_dict({"layout": "SWA", "d_model": 64, "n_layers": 2, "attn_head_dim": 5})
+    ModelConfig.from_dict({"layout": "GDN", "d_model": 64, "n_layers": 2, "attn_head_dim": 5})  # no attention: no matter
