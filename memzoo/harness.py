@@ -23,6 +23,7 @@ What differs from a Hugging Face model, and why:
 
 from __future__ import annotations
 
+import os
 
 import torch
 import torch.nn.functional as F
@@ -151,7 +152,13 @@ def main() -> None:
 
     if not any(a == "--device" or a.startswith("--device=") for a in sys.argv) and not torch.cuda.is_available():
         sys.argv += ["--device", "cpu"]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except (ValueError, KeyError, OSError) as e:  # a wrong path, task or argument: one line (MEMZOO_DEBUG: the traceback)
+        if "MEMZOO_DEBUG" in os.environ:
+            raise
+        print(f"memzoo.harness: error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
