@@ -101,7 +101,9 @@ def plan(ctx: Context, layers: list[str], todo: list[str]) -> list[Job]:
         whole = []
         for s in todo:
             mod = suite(s)
-            if hasattr(mod, "parts"):
+            if s in ALONE:
+                jobs.append(Job(layer, (s,), None, work_units(ctx, [layer], [s]) * bench_cost(layer)))
+            elif hasattr(mod, "parts"):
                 w = bench_cost(layer)
                 jobs += [Job(layer, (s,), part, c * w, group) for part, c, group in mod.parts(ctx, layer)]
             else:
@@ -114,6 +116,11 @@ def plan(ctx: Context, layers: list[str], todo: list[str]) -> list[Job]:
         seen.add(j.group)
     order = sorted(range(len(jobs)), key=lambda i: (jobs[i].layer != BASELINE, later[i], -jobs[i].cost))
     return [jobs[i] for i in order]  # stable: ties keep the run order
+
+
+#: suites whose measurements are timings: the bench runs them first, in its own process, with every
+#: core and no worker busy (a cost row timed beside a training worker measured the neighbour too)
+ALONE = ("cost",)
 
 
 def work_units(ctx: Context, layers: list[str], todo: list[str]) -> int:
@@ -253,9 +260,12 @@ def run_bench(
     ctx = Context(p, seed, rec, work_dir, device, progress, resume=resume)
     total = work_units(ctx, names, todo)
     queued = plan(ctx, names, todo)
+    alone = [j for j in queued if j.suites[0] in ALONE]
+    queued = [j for j in queued if j.suites[0] not in ALONE]
     workers = max(1, min(jobs, len(queued)))
     print(f"memzoo bench: preset {p.name}, seed {seed}, layers {', '.join(names)}, suites {', '.join(todo)}; "
-          f"{len(queued)} jobs" + (f" for {workers} workers" if workers > 1 else "")
+          f"{len(alone) + len(queued)} jobs" + (f" ({len(alone)} timed alone first)" if alone and queued else "")
+          + (f" for {workers} workers" if workers > 1 else "")
           + f"; {total} units of work (training steps, evaluated cells, measured models)")
     t0 = time.time()
     bar = tqdm(total=total, desc="bench", unit="unit", smoothing=0, dynamic_ncols=True, disable=not progress)
@@ -268,11 +278,13 @@ def run_bench(
         bar.update(units)
 
     compile_cache(work_dir)
+    ctx.on_work = lambda units, what: show(0, units, what)
+    for job in alone:  # before any worker starts: nothing else runs while these are timed
+        job.run(ctx)
     if workers == 1:
-        ctx.on_work = lambda units, what: show(0, units, what)
         for job in queued:
             job.run(ctx)
-    else:
+    elif queued:
         mpc = mp.get_context("spawn")
         queue = mpc.Queue()
         args = {"preset": p.source, "seed": seed, "out": str(out), "work_dir": str(work_dir), "device": device,

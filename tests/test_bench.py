@@ -18,7 +18,7 @@ from memzoo.registry import layer_names
 
 MICRO = {
     "model": {"layout": "GDN", "vocab_size": 257, "d_model": 32, "n_layers": 2, "ffn_dim": 64,
-              "gdn_heads": 2, "gdn_head_dim": 16},
+              "gdn_heads": 2, "gdn_head_dim": 16, "attn_heads": 2, "attn_kv_heads": 2},
     "layers": {"fwpkm": {"at": "1", "options": {"key_dim": 16, "value_dim": 16, "n_subkeys": 8, "topk": 2,
                                                 "chunk_size": 16}}},
     "train": {"corpus": "shakespeare", "tokenizer": "byte", "seq_len": 96, "batch_size": 2, "steps": 3,

@@ -185,7 +185,8 @@ def test_run_records_rows_tables_and_figure(tmp_path):
     for r in rows:
         m = r["metrics"]
         assert m["flops_full"] > m["flops_table2"] > 0 and m["step_shape"] == "2x16"
-        assert m["samples_per_s"] > 0 and 0 < m["mfu"] and math.isclose(m["tokens_per_s"], 16 * m["samples_per_s"])
+        assert m["samples_per_s"] > 0 and 0 < m["mfu"] <= 1 and math.isclose(m["tokens_per_s"], 16 * m["samples_per_s"])
+        assert m["step_spread"] >= 0 and m["threads"] == torch.get_num_threads()
     paper = rows[-1]["metrics"]
     assert rows[-1]["setting"] == {"config": str(cfg), "batch": 2, "seq_len": 16}
     assert paper["params_paper"] == 0.05e6 and "params_diff_pct" in paper
@@ -236,3 +237,25 @@ def test_time_fn_times_about_reps_calls_after_the_warmup():
     assert 0.019 < t.min <= t.median <= max(t.times)
     q = Timing((4.0, 1.0, 3.0, 2.0))
     assert (q.median, q.mean, q.min, q.quantile(0.0), q.quantile(1.0), q.quantile(1 / 3)) == (2.5, 2.5, 1.0, 1.0, 4.0, 2.0)
+
+
+def test_a_step_faster_than_the_measured_peak_is_an_error_not_an_mfu_above_one(monkeypatch):
+    # a row timed beside a busy worker published 113.6% MFU: the peak and the step must share conditions
+    from memzoo.bench.suites import cost
+    from memzoo.config import ModelConfig, TrainConfig
+
+    monkeypatch.setattr(cost, "matmul_peak", lambda device="cpu", repeats=5: 1.0)  # 1 FLOP/s: any step outruns it
+    mc = ModelConfig.from_dict({"layout": "GDN", "vocab_size": 50, "d_model": 32, "n_layers": 2, "ffn_dim": 64,
+                                "gdn_heads": 2, "gdn_head_dim": 16})
+    with pytest.raises(RuntimeError, match="exceed the matmul peak measured beside it"):
+        cost.measure(mc, TrainConfig(), cost.Settings(batch=2, seq_len=16, warmup=0, steps=1), "cpu", 0, True)
+
+
+def test_the_bench_times_cost_rows_alone_before_any_worker(tmp_path):
+    from memzoo.bench.common import Context, Recorder, load_preset
+    from memzoo.bench.run import ALONE, plan
+
+    ctx = Context(load_preset("tiny"), 0, Recorder(tmp_path, "tiny", 0), tmp_path / "work", progress=False)
+    jobs = plan(ctx, ["baseline", "fwpkm"], ["cost", "ppl", "niah"])
+    assert ALONE == ("cost",) and sorted(j.layer for j in jobs if j.suites == ("cost",)) == ["baseline", "fwpkm"]
+    assert all("cost" not in j.suites for j in jobs if j.suites != ("cost",))  # never bundled with a training job

@@ -20,7 +20,6 @@ tokens of a 500 M-parameter model is no CPU job); on CPU the paper rows are coun
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,8 +57,8 @@ count; the paper's FLOPS column is its FLOPs over its step time, i.e. Table-2 st
 class Settings:
     batch: int = 8  # sequences per training step (Table 2: 8)
     seq_len: int = 256  # tokens per sequence (Table 2: 4096)
-    warmup: int = 1  # untimed training steps before the timed ones
-    steps: int = 3  # about this many timed training steps (memzoo.timing.time_fn)
+    warmup: int = 2  # untimed training steps before the timed ones
+    steps: int = 10  # about this many timed training steps (memzoo.timing.time_fn): their median, and spread
     cpu_throughput: bool = True  # time steps on CPU too (off for the paper preset: count only)
     configs: list = field(default_factory=list)  # shipped configs with `paper:` figures (Table 2's rows)
 
@@ -74,17 +73,19 @@ class Settings:
 # ---- measuring ------------------------------------------------------------------------------
 
 
-@functools.cache
-def matmul_peak(device: str = "cpu", threads: int = 0, n: int | None = None, repeats: int = 5) -> float:
-    """Measured dense-matmul throughput (FLOP/s) of this machine: the best of `repeats` n × n
-    matmuls in the dtype training runs in, fp32 on CPU (n = 1024), bf16 on CUDA (n = 8192).
-    `threads` only keys the cache (CPU throughput depends on torch's thread count)."""
+def matmul_peak(device: str = "cpu", repeats: int = 5) -> float:
+    """Measured dense-matmul throughput (FLOP/s) of this machine now, at torch's thread count: the
+    best of `repeats` square matmuls of each of a few sizes, in the dtype training runs in (fp32 on
+    CPU, n = 512-2048; bf16 on CUDA, n = 4096-8192). Measured beside each timed model, in the same
+    conditions, so that a busy or throttled machine lowers both."""
     cuda = device.startswith("cuda")
-    n = n or (8192 if cuda else 1024)
     dt = torch.bfloat16 if cuda else torch.float32
     gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(n, n, generator=gen).to(device, dt) for _ in range(2))
-    return 2 * n**3 / time_fn(lambda: a @ b, warmup=1, reps=repeats, device=device).min
+    best = 0.0
+    for n in (4096, 8192) if cuda else (512, 1024, 2048):
+        a, b = (torch.randn(n, n, generator=gen).to(device, dt) for _ in range(2))
+        best = max(best, 2 * n**3 / time_fn(lambda: a @ b, warmup=1, reps=repeats, device=device).min)
+    return best
 
 
 def time_training_step(mc, tc, batch: int, seq_len: int, device: str, warmup: int, steps: int,
@@ -105,7 +106,8 @@ def time_training_step(mc, tc, batch: int, seq_len: int, device: str, warmup: in
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    out = {"step_s": time_fn(lambda: train_step([(x, y)], tc.lr), warmup, steps, device).mean}
+    t = time_fn(lambda: train_step([(x, y)], tc.lr), warmup, steps, device)
+    out = {"step_s": t.median, "step_spread": (t.quantile(0.9) - t.quantile(0.1)) / t.median, "step_runs": len(t.times)}
     if cuda:
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         del model, opt, train_step
@@ -130,9 +132,15 @@ def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper:
             m["throughput_error"] = "out of memory"
             torch.cuda.empty_cache()
         else:
-            peak = matmul_peak(device, torch.get_num_threads())
+            peak = matmul_peak(device)
+            if fl.total / t["step_s"] > peak:  # the step cannot outrun the machine's best matmul
+                raise RuntimeError(f"cost: the step's achieved {fl.total / t['step_s'] / 1e9:.1f} GFLOP/s exceed the "
+                                   f"matmul peak measured beside it ({peak / 1e9:.1f}): the machine was busy; "
+                                   "time it alone (nothing else running)")
             m.update(
                 step_s=t["step_s"],
+                step_spread=t["step_spread"],
+                threads=torch.get_num_threads(),
                 samples_per_s=s.batch / t["step_s"],
                 tokens_per_s=fl.tokens / t["step_s"],
                 flops_per_s=fl.total / t["step_s"],
@@ -269,7 +277,10 @@ def _layers(df):
     if _col(df, "step_s").notna().any():
         t["samples/s"] = _col(df, "samples_per_s").round(2)
         t["tokens/s"] = _col(df, "tokens_per_s").round(0)
+        if _col(df, "step_spread").notna().any():  # the timed steps' 10-90% range over their median
+            t["step spread %"] = (100 * _col(df, "step_spread")).round(1)
         t[f"achieved {u}FLOP/s"] = (_col(df, "flops_per_s") / sc).round(2)
+        t[f"× baseline's {u}FLOP/s"] = (_col(df, "flops_per_s") / _col(df, "flops_per_s")[df["layer"] == BASELINE].max()).round(2)
         t[f"peak {u}FLOP/s"] = (_col(df, "peak_flops_per_s") / sc).round(1)
         t["MFU %"] = (100 * _col(df, "mfu")).round(2)
         t["device"] = _col(df, "device")
