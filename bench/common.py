@@ -69,6 +69,7 @@ class Preset:
     lm: dict  # the preset's `train:` section
     suites: dict[str, dict]
     source: str = ""
+    default_suites: tuple[str, ...] = ()  # the `run:` section's suites: what a bench without --suite runs (all)
 
     def settings(self, suite: str, cls):
         """The suite's section parsed by its Settings dataclass (unknown keys are errors)."""
@@ -86,7 +87,7 @@ def load_preset(name: str) -> Preset:
         path = config_dir() / "bench" / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"no bench preset {name!r}; shipped presets: {', '.join(preset_names())}, or give a YAML path")
-    data, bases = read_config(path, ("model", "layers", "train", *SUITES))
+    data, bases = read_config(path, ("model", "layers", "train", "run", *SUITES))
     try:  # check the backbone, the layers and the LM now, not at the first model
         backbone = ModelConfig.from_dict(data.get("model"), "model")
         TrainConfig.from_dict(data.get("train"), "train")
@@ -104,6 +105,9 @@ def load_preset(name: str) -> Preset:
     except ConfigError as e:
         on = f" (with base {', '.join(map(str, bases))})" if bases else ""
         raise ConfigError(f"{path}{on}: {e}") from None
+    run = data.get("run") or {}
+    if not isinstance(run, dict) or set(run) - {"suites"} or not all(s in SUITES for s in run.get("suites", [])):
+        raise ConfigError(f"{path}: run: expected {{suites: [...]}} with suites among {', '.join(SUITES)}, got {run!r}")
     return Preset(
         name=path.stem,
         backbone=dict(data.get("model") or {}),
@@ -111,6 +115,7 @@ def load_preset(name: str) -> Preset:
         lm=dict(data.get("train") or {}),
         suites={s: dict(data.get(s) or {}) for s in SUITES},
         source=str(path),
+        default_suites=tuple(run.get("suites", ())),
     )
 
 

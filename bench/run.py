@@ -240,7 +240,8 @@ def run_bench(
         raise ConfigError(f"--jobs must be >= 0 (0: one per CPU core on CPU, 1 on CUDA), got {jobs}")
     device = resolve_device(device)
     tune_cpu()
-    names, todo, p = parse_layers(layers), parse_suites(suites), load_preset(preset)
+    p = load_preset(preset)
+    names, todo = parse_layers(layers), parse_suites(suites or ",".join(p.default_suites))
     for s in todo:  # check every suite's settings before spending minutes on the first
         mod = suite(s)
         p.settings(mod.NAME, mod.Settings)

@@ -509,3 +509,16 @@ def test_ctrl_c_in_a_terminal_stops_the_bench_and_its_workers_at_once(tmp_path):
     assert took < 5, took
     assert b"interrupted; what was recorded is kept (--resume continues)" in seen
     read_results(out / "results.jsonl")  # whole: no torn line, no error
+
+
+def test_a_preset_names_the_suites_a_bench_without_suite_runs(tmp_path):
+    from memzoo.bench.run import parse_suites
+
+    tiny = load_preset("tiny")
+    assert tiny.default_suites == ("cost", "toys", "ppl")  # the main job: no tables it cannot show
+    assert load_preset("standard").default_suites == ("cost", "toys", "ppl", "niah") == tuple(parse_suites(""))
+    assert load_preset("standard").settings("ppl", __import__("memzoo.bench.suites.ppl", fromlist=["x"]).Settings).passages == 32
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**MICRO, "run": {"suites": ["toys", "speed"]}}))
+    with pytest.raises(ConfigError, match=r"run: expected \{suites: \[...\]\} with suites among cost, toys, ppl, niah"):
+        load_preset(bad)
