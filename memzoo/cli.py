@@ -60,26 +60,6 @@ def cmd_params(args) -> int:
     return 1 if failed else 0
 
 
-def cmd_train(args) -> int:
-    from memzoo.config import load_config
-    from memzoo.train import train
-
-    rc = load_config(args.config)
-    overrides = (("steps", args.steps), ("out_dir", args.out), ("seed", args.seed), ("device", args.device),
-                 ("precision", args.precision), ("compile", args.compile or None))
-    for k, v in overrides:
-        if v is not None:
-            setattr(rc.train, k, v)
-    result = train(rc, resume=args.resume, overwrite=args.overwrite, parallel=args.parallel)
-    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports
-        return 0
-    print(
-        f"done: step {result['step']}, train loss {result['train_loss']:.4f}, val loss {result['val_loss']:.4f} "
-        f"(unigram entropy {result['unigram_entropy']:.4f} nats/token), checkpoint {result['checkpoint']}"
-    )
-    return 0
-
-
 def cmd_bench(args) -> int:
     from memzoo.bench.run import run_bench
 
@@ -119,21 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                         "repeatable; added to $MEMZOO_PLUGINS (comma-separated), which bench workers inherit")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    t = sub.add_parser("train", help="train a model from a config (YAML path or shipped name, e.g. tiny/gdn)")
-    t.add_argument("config")
-    again = t.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true", help="continue exactly from the last checkpoint in the out dir")
-    again.add_argument("--overwrite", action="store_true", help="delete the run already in the out dir, then train")
-    t.add_argument("--steps", type=int, help="override train.steps")
-    t.add_argument("--out", help="override train.out_dir")
-    t.add_argument("--seed", type=int, help="override train.seed")
-    t.add_argument("--device", help="override train.device: cpu, cuda, cuda:N, or auto (cuda if available)")
-    t.add_argument("--precision", choices=("auto", "fp32", "bf16"),
-                   help="override train.precision (auto: bf16 autocast on CUDA, fp32 on CPU)")
-    t.add_argument("--compile", action="store_true", help="torch.compile the model's forward (train.compile)")
-    t.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
-                   help="under torchrun: DDP (a model per process) or FSDP2 (parameters sharded); see memzoo.distributed")
-    t.set_defaults(fn=cmd_train)
+    from memzoo.train import add_train_command
+
+    add_train_command(sub)
 
     q = sub.add_parser("params", help="count parameters on the meta device, beside the paper's figure")
     q.add_argument("configs", nargs="+", help="config files, shipped names (paper/gdn) or directories (paper)")
