@@ -716,9 +716,10 @@ def _within_unit(stats) -> list[list[float]]:
 def figures(df, out_dir: Path) -> list[Path]:
     """toys_mqar_capacity.png: MQAR test accuracy against kv pairs, a line per model with its
     95% interval (cut at 0 and 1) and a cross per seed, a panel per width. toys_mqar_state.png:
-    mean accuracy against the recurrent state per sequence (a point per width; the attention
-    control's state is its KV cache; a model without state, ctrl:none, has no place on its log
-    axis). A task whose controls fail is not drawn, nor a layer with fewer seeds than the baseline."""
+    mean accuracy against the recurrent state per sequence (a point per width, a dotted line
+    through a layer's size variants such as ``fwpkm/token`` and ``fwpkm/token-small``; the
+    attention control's state is its KV cache; a model without state, ctrl:none, has no place on
+    its log axis). A task whose controls fail is not drawn, nor a layer with fewer seeds than the baseline."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -774,6 +775,16 @@ def figures(df, out_dir: Path) -> list[Path]:
             for x, y, _, w in pts:
                 ax.annotate(f"d={w}", (x, y), xytext=(4, -10), textcoords="offset points", fontsize=7,
                             color=palette[layer])
+    sizes: dict[str, list] = {}  # a layer's size variants (fwpkm/token, fwpkm/token-small): one curve
+    for layer in order:
+        g = m[(m["layer"] == layer) & (m["metrics.state_size"] > 0)]
+        if not g.empty and layer not in CONTROLS:
+            sizes.setdefault(layer.split("-")[0], []).append(
+                (float(g["metrics.state_size"].max()), float(g["metrics.accuracy"].mean()), layer))
+    for base, pts in sizes.items():
+        if len(pts) > 1:
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=palette[pts[-1][2]], lw=0.8, ls=":")
     ax.set_xscale("log")
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("recurrent state per sequence (numbers, log scale)")
