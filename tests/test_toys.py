@@ -584,3 +584,24 @@ def test_uninterrupted_run_counted_by_hand():
     # queue pkm0, lact0, pkm1, pkm2, lact1 -> workers [300, 0] [300, 200] [300, 350] [495, 350] [495, 390]
     assert span == pytest.approx(495)
     assert uninterrupted(rows, jobs=1)[1] == pytest.approx(total)
+
+
+def test_value_set_scores_the_queried_value_any_value_of_the_sequence_and_by_place():
+    from types import SimpleNamespace
+
+    from memzoo.bench.experiments.value_set import value_set
+    from memzoo.data import mqar
+
+    # one sequence of 2 pairs (k1 v1 k2 v2), then queries of k2 and k1 at positions 5 and 7
+    x = torch.tensor([[10, 20, 11, 21, 0, 11, 0, 10]])
+    y = torch.full_like(x, mqar.IGNORE)
+    y[0, 5], y[0, 7] = 21, 20
+
+    class Answers(torch.nn.Module):  # answers 21 everywhere: the value of k2, wrong for k1 but in the set
+        def forward(self, ids):
+            logits = torch.zeros(*ids.shape, 32)
+            logits[..., 21] = 1.0
+            return SimpleNamespace(logits=logits)
+
+    out = value_set(Answers(), SimpleNamespace(test={2: (x, y)}))
+    assert out[2] == {"acc": 0.5, "in_set": 1.0, "one_in_n": 0.5, "by_pair": [0.0, 1.0]}
