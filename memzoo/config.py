@@ -117,7 +117,7 @@ def check_layer_options(name: str, options, d_model: int, where: str) -> str:
     no draw from torch's RNG); returns the layer's registered name. `where` names the key."""
     import torch
 
-    from memzoo.layers.base import build_layer
+    from memzoo.registry import build_layer
     from memzoo.registry import get_layer, layer_names
 
     try:

@@ -106,3 +106,17 @@ def get_layer(name: str) -> type:
             f"unknown memory layer {name!r}; registered layers: {', '.join(layer_names())}. "
             "Register your own with @memzoo.register_layer('name')."
         ) from None
+
+
+def build_layer(name: str, d_model: int, **kwargs) -> "MemoryLayer":
+    """Build a registered layer by name; unknown keyword arguments are rejected by name."""
+    import inspect
+
+    cls = get_layer(name)
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        allowed = [k for k in params if k not in ("self", "d_model")]
+        bad = sorted(set(kwargs) - set(allowed))
+        if bad:
+            raise ValueError(f"{cls.name}: unknown option(s) {bad}; valid options: {allowed}")
+    return cls(d_model, **kwargs)

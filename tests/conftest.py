@@ -34,7 +34,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from memzoo.layers.base import MemoryLayer, build_layer
+from memzoo.layers.base import MemoryLayer
+from memzoo.registry import build_layer
 from memzoo.registry import get_layer
 
 D = 32  # the d_model of LAYER_TESTS' options

@@ -25,7 +25,7 @@ from memzoo.data.assoc_retrieval import (
     seq_len,
 )
 from memzoo.layers.ba import BaFastWeights, FastWeightsRNN, fast_weight_step, fast_weight_write
-from memzoo.layers.base import build_layer
+from memzoo.registry import build_layer
 
 F64 = dict(rtol=1e-10, atol=1e-12)
 

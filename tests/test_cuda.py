@@ -75,7 +75,7 @@ def test_compiled_embedding_bag_and_segment_sum():
 
 
 def _fwpkm_run(triton: bool):
-    from memzoo.layers.base import build_layer
+    from memzoo.registry import build_layer
 
     torch.manual_seed(0)
     layer = build_layer("fwpkm", 768, triton=triton, chunk_size=128).to(DEV)  # Table 3's sizes, shorter chunks

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from memzoo.kernels import fwpkm as kernels
-from memzoo.layers.base import build_layer
+from memzoo.registry import build_layer
 from memzoo.ops import product_key as pk
 
 RTOL = 1e-4

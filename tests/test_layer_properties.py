@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import D, layer_options, layer_test, rand_x, tiny_layer
-from memzoo.layers.base import MemoryLayer, build_layer
+from memzoo.layers.base import MemoryLayer
+from memzoo.registry import build_layer
 from memzoo.registry import layer_names
 
 NAMES = layer_names()  # at collection: plugins given with -p (or MEMZOO_PLUGINS) are registered by now

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TINY_LM, layer_options, tiny_layer
-from memzoo.layers.base import build_layer
+from memzoo.registry import build_layer
 from memzoo.layers.pkm import PKM
 from memzoo.ops.product_key import brute_force_topk, gather_values, lookup, product_topk, subkey_scores
 

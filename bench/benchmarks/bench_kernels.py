@@ -56,7 +56,7 @@ def _bag(kernel: bool, heads: int, k: int, values_grad: bool, device: str) -> Ca
 
 
 def _layer(kernel: bool, device: str) -> Callable[[], object]:
-    from memzoo.layers.base import build_layer
+    from memzoo.registry import build_layer
 
     torch.manual_seed(0)
     layer = build_layer("fwpkm", D, triton=kernel).to(device)  # the paper's defaults (Table 3)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from memzoo.bench.common import device_name, load_preset
-from memzoo.layers.base import build_layer
+from memzoo.registry import build_layer
 from memzoo.registry import layer_names
 from memzoo.timing import time_fn
 

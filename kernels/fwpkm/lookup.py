@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from memzoo.ops.product_key import Lookup
+from memzoo.ops.slots import Lookup
 
 
 @triton.jit

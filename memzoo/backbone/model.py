@@ -50,7 +50,8 @@ from memzoo.backbone.ffn import RMSNorm, SwiGLU
 from memzoo.backbone.gdn import GatedDeltaNet
 from memzoo.backbone.layout import parse_layout
 from memzoo.config import ModelConfig
-from memzoo.layers.base import SITES, MemoryLayer, build_layer
+from memzoo.layers.base import SITES, MemoryLayer
+from memzoo.registry import build_layer
 
 
 class MemzooConfig(PretrainedConfig):

@@ -5,10 +5,10 @@ or one file anywhere importable, loaded as a plugin (see memzoo.registry)."""
 import importlib
 import pkgutil
 
-from memzoo.layers.base import MemoryLayer, State, build_layer
+from memzoo.layers.base import MemoryLayer, State
 
 for _mod in pkgutil.iter_modules(__path__):
     if not _mod.name.startswith("_") and _mod.name not in ("base", "fw_io"):
         importlib.import_module(f"{__name__}.{_mod.name}")
 
-__all__ = ["MemoryLayer", "State", "build_layer"]
+__all__ = ["MemoryLayer", "State"]

@@ -345,19 +345,3 @@ class MemoryLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, chunk_size={self.chunk_size}, per_sequence={self.per_sequence}"
-
-
-def build_layer(name: str, d_model: int, **kwargs) -> MemoryLayer:
-    """Build a registered layer by name; unknown keyword arguments are rejected by name."""
-    import inspect
-
-    from memzoo.registry import get_layer
-
-    cls = get_layer(name)
-    params = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        allowed = [k for k in params if k not in ("self", "d_model")]
-        bad = sorted(set(kwargs) - set(allowed))
-        if bad:
-            raise ValueError(f"{cls.name}: unknown option(s) {bad}; valid options: {allowed}")
-    return cls(d_model, **kwargs)

@@ -13,18 +13,10 @@ Shapes: queries [..., H, Dk] (H heads); sub-keys [H, 2, n, Dk/2] shared by all q
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
-
-class Lookup(NamedTuple):
-    scores: Tensor  # [..., H, k] scores of the retrieved slots, s¹_a + s²_b (Eq. 31), best first
-    index: Tensor  # [..., H, k] slot ids in [0, n²): row * n + col
-    sub_scores: Tensor  # [..., H, 2, k] raw scores of each half's top-k sub-keys (Eq. 28)
-    sub_index: Tensor  # [..., H, 2, k] ids of each half's top-k sub-keys (Eq. 29)
-    pair: Tensor  # [..., H, k] which (a, b) of the k × k grid each slot is: a * k + b
+from memzoo.ops.slots import Lookup  # noqa: F401  (the lookup's result; re-exported)
 
 
 def subkey_scores(q: Tensor, subkeys: Tensor, score: str = "dot", eps: float = 1e-3) -> Tensor:
