@@ -66,14 +66,13 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from tqdm.auto import tqdm
 
 from memzoo.backbone.model import HybridLM
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, Context, layer_order, mean_ci, model_config, save_png
-from memzoo.config import ConfigError, ModelConfig
+from memzoo.config import ConfigError, ModelConfig, TrainConfig
 from memzoo.data import assoc_retrieval as ar
 from memzoo.data import mqar
 from memzoo.train import lr_at, make_step, param_groups
@@ -376,12 +375,12 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
     The model returned holds the weights of its best validation score."""
     torch.manual_seed(seed)
     model = HybridLM(mc).to(device)
-    tc = SimpleNamespace(lr=lr, min_lr=lr * s.min_lr_ratio, warmup=s.warmup, steps=s.max_steps,
-                         weight_decay=s.weight_decay)
-    opt = torch.optim.AdamW(param_groups(model, tc), lr=lr, betas=(0.9, 0.98))
+    tc = TrainConfig(lr=lr, min_lr=lr * s.min_lr_ratio, warmup=s.warmup, steps=s.max_steps, weight_decay=s.weight_decay,
+                     betas=(0.9, 0.98), grad_clip=s.grad_clip, precision=s.precision, compile=s.compile)  # Zoology's betas
+    opt = torch.optim.AdamW(param_groups(model, tc), lr=lr, betas=tc.betas)
     if s.compile:  # a new model: compile afresh (a worker's earlier cells would fill dynamo's per-function cache)
         torch._dynamo.reset()
-    train_step = make_step(model, opt, s.grad_clip, s.precision, s.compile)
+    train_step = make_step(model, opt, tc.grad_clip, tc.precision, tc.compile)
     g = torch.Generator().manual_seed(seed)
     best, best_state, stale, stop = -1.0, None, 0, "capped"
     losses, tokens, busy, first, evals, shapes = [], 0, 0.0, 0.0, 0.0, set()
