@@ -44,6 +44,7 @@ import torch
 
 from memzoo.backbone.model import HybridLM
 from memzoo.bench.common import Context, config_hash, lm_train_config, model_config
+from memzoo.bench.suites import suite as suite_module
 from memzoo.config import RunConfig
 from memzoo.storage import load_tensors, torch_save, write_text
 
@@ -52,7 +53,7 @@ _loaded: dict[str, tuple[HybridLM, dict]] = {}
 
 
 def _niah(ctx: Context):
-    from memzoo.bench.suites import niah
+    niah = suite_module("niah")  # through the suites' registry: the LM suites import this module
 
     return ctx.preset.settings(niah.NAME, niah.Settings)
 
@@ -61,7 +62,7 @@ def _mixture(ctx: Context, suite: str) -> dict:
     """The training mixture of `suite`'s LMs: the niah suite's needle windows, for the LMs the
     suites share, or only for niah's own where it has them (`niah.lm`; ppl's LMs then read
     plain text); and the ppl suite's repeated passages (`ppl.repeat_mix`) for ppl's LMs."""
-    from memzoo.bench.suites import ppl
+    ppl = suite_module("ppl")
 
     s = _niah(ctx)
     rep = ctx.preset.settings(ppl.NAME, ppl.Settings).repeat_mix
@@ -89,7 +90,7 @@ def models(ctx: Context, layer: str) -> list[str]:
 
 def lm_config(ctx: Context, layer: str, suite: str = "ppl") -> tuple[RunConfig, dict, str]:
     """The run config of `layer`'s LM for `suite`, its needle mixture, and the cache key."""
-    from memzoo.bench.suites import ppl
+    ppl = suite_module("ppl")
 
     mix = _mixture(ctx, suite)
     own = _niah(ctx).lm if suite == "niah" else {}

@@ -8,8 +8,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"memzoo": "memzoo", "memzoo.bench": "bench", "memzoo.kernels": "kernels"}
-# the one circle left (issue 41): the shared LMs read both LM suites' settings, which use the LMs
-KNOWN = [{"memzoo.bench.lm", "memzoo.bench.suites.niah", "memzoo.bench.suites.ppl"}]
 
 
 def modules() -> dict[str, Path]:
@@ -79,6 +77,5 @@ def test_the_graph_reader_finds_a_circle():
     assert "memzoo.registry" in graph()["memzoo.backbone.model"]  # function-level and from-imports are read
 
 
-def test_no_import_circles_but_the_known_one():
-    found = circles(graph())
-    assert [c for c in found if c not in KNOWN] == [], "a new import circle"
+def test_no_import_circles():
+    assert circles(graph()) == []
