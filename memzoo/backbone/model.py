@@ -216,11 +216,6 @@ class HybridLM(PreTrainedModel, GenerationMixin):
         for m, st in zip(self.memories(), states, strict=True):
             m.load_state(st) if st is not None else m.reset()
 
-    def reset_memory(self, batch_size: int = 1) -> None:
-        """Forget everything: every memory layer back to its initial fast weights."""
-        for m in self.memories():
-            m.reset(batch_size)
-
     def forward(
         self,
         input_ids: Tensor,
