@@ -213,9 +213,9 @@ def hardware() -> dict:
     if torch.cuda.is_available():
         hw["gpu"] = torch.cuda.get_device_name()
     else:  # whether compiled bf16 steps multiply in fp32 here (memzoo.train.make_step)
-        from memzoo import train
+        from memzoo.cpu import cpu_bf16_gemm_is_slow
 
-        hw["bf16_gemm_in_fp32"] = train.cpu_bf16_gemm_is_slow()
+        hw["bf16_gemm_in_fp32"] = cpu_bf16_gemm_is_slow()
     return hw
 
 

@@ -193,7 +193,7 @@ def _worker(args: dict, wid: int, jobs, threads: int, queue) -> None:
 
     import torch
 
-    from memzoo.train import tune_cpu
+    from memzoo.cpu import tune_cpu
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the terminal's whole group: the bench stops its workers
     exit_with(args["parent"])
@@ -234,7 +234,8 @@ def run_bench(
 
     from memzoo.bench.common import read_results
     from memzoo.storage import ensure_writable_dir
-    from memzoo.train import resolve_device, tune_cpu
+    from memzoo.cpu import tune_cpu
+    from memzoo.train import resolve_device
 
     if jobs < 0:
         raise ConfigError(f"--jobs must be >= 0 (0: one per CPU core on CPU, 1 on CUDA), got {jobs}")

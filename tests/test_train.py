@@ -124,7 +124,7 @@ def test_lm_loss_weights_the_targets(tmp_path):
 
 
 def test_tune_cpu_flushes_subnormals():
-    from memzoo.train import tune_cpu
+    from memzoo.cpu import tune_cpu
 
     tune_cpu()
     tiny = torch.tensor([1e-39], dtype=torch.float32)  # subnormal in fp32
@@ -139,7 +139,7 @@ def test_bf16_gemms_in_fp32_pass_keeps_bf16_autocast_arithmetic():
     rounding. Batched products (bmm of an einsum) are left in bf16."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from memzoo.train import _bf16_gemms_in_fp32_pass
+    from memzoo.cpu import _bf16_gemms_in_fp32_pass
 
     aten = torch.ops.aten
     gemms = {aten.mm.default, aten.addmm.default}
@@ -176,7 +176,7 @@ def test_bf16_gemms_in_fp32_pass_widens_a_tensor_once_for_all_its_views():
     buffer, not one per view), and the products are still the fp32 products rounded to bf16."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from memzoo.train import _bf16_gemms_in_fp32_pass
+    from memzoo.cpu import _bf16_gemms_in_fp32_pass
 
     aten, prims = torch.ops.aten, torch.ops.prims
 

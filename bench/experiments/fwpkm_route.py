@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     if unknown:
         ap.error(f"unknown form(s) {unknown}; forms: {', '.join(FORMS)}")
     torch.set_num_threads(1)
-    from memzoo.train import tune_cpu
+    from memzoo.cpu import tune_cpu
 
     tune_cpu()
     for f in a.forms or list(FORMS):

@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     if unknown:
         raise SystemExit(f"unknown form(s) {unknown}; forms: {', '.join(FORMS)}")
     torch.set_num_threads(1)
-    from memzoo.train import tune_cpu
+    from memzoo.cpu import tune_cpu
 
     tune_cpu()  # subnormals flushed, freed activations kept in the heap
     for f in forms:

@@ -131,7 +131,7 @@ if __name__ == "__main__":
     ap.add_argument("--min-needles", type=int, default=1, help="needle windows with at least this many needles")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    from memzoo.train import tune_cpu
+    from memzoo.cpu import tune_cpu
 
     tune_cpu()  # subnormals flushed, freed activations kept in the heap
     over = {k: v for k, v in {"steps": a.steps, "seq_len": a.seq_len, "train_mix": a.train_mix,

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from memzoo.train import tune_cpu
+    from memzoo.cpu import tune_cpu
 
     tune_cpu()
     for layer in a.layers:

@@ -508,7 +508,7 @@ def main(argv=None) -> None:
     ap.add_argument("--untrained", action="store_true", help="randomly initialised models (no LM training): for cost/RSS checks")
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
-    from memzoo.train import tune_cpu
+    from memzoo.cpu import tune_cpu
 
     tune_cpu()  # subnormals flushed, freed activations kept in the heap
     preset = load_preset(a.preset)
