@@ -1,4 +1,4 @@
-"""The cost suite (bench/suites/cost.py) and its FLOP counts (memzoo/ops/flops.py).
+"""The cost suite (bench/suites/cost.py) and its FLOP counts (memzoo/flops.py).
 
 Table 2's accounting against all 16 published rows; the full count's parts against explicit
 counts: dense layers by hand, attention over an explicit mask, the chunked gated delta rule
@@ -17,7 +17,7 @@ import yaml
 from memzoo.backbone.layout import parse_layout
 from memzoo.backbone.model import HybridLM
 from memzoo.config import ModelConfig, load_config
-from memzoo.ops.flops import TABLE2_BATCH, TABLE2_SEQ_LEN, count_flops, step_flops, table2_flops, table2_params
+from memzoo.flops import TABLE2_BATCH, TABLE2_SEQ_LEN, count_flops, step_flops, table2_flops, table2_params
 from memzoo.ops.gated_delta_rule import gated_delta_rule_chunked
 
 TABLE2 = [b + t for b in ("gdn", "gdn-swa", "gdn-fa", "fa") for t in ("", "-pkm2-6-10", "-fwpkm2-6-10", "-pkm6-fwpkm2-10")]

@@ -98,7 +98,7 @@ def test_the_property_suite_runs_on_a_plugin_layer(plugin_dir):
 
 def test_a_plugin_from_the_environment_is_counted_and_gives_its_test_options(plugin_dir, monkeypatch):
     from memzoo.config import ModelConfig
-    from memzoo.ops.flops import step_flops
+    from memzoo.flops import step_flops
 
     monkeypatch.setenv(registry.PLUGINS_ENV, MOD)  # the registry imports it at its next lookup
     assert NAME in registry.layer_names()

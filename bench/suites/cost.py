@@ -4,7 +4,7 @@ preset also for the 16 Table 2 configs beside the paper's own figures.
 
 Per model: parameters (as Table 2 counts them: FwPKM's shared fast weights included), FLOPs of
 one training step of `batch` × `seq_len` tokens counted two ways on the meta device
-(:mod:`memzoo.ops.flops`: the Table-2 accounting and the full count), and, where measured, the
+(:mod:`memzoo.flops`: the Table-2 accounting and the full count), and, where measured, the
 throughput of real training steps (forward, backward, AdamW) on the machine it runs on:
 samples/s, tokens/s, achieved FLOP/s (full count / step time) and that as a fraction of the
 machine's measured dense-matmul peak (fp32 on CPU, bf16 on CUDA). The timed step is memzoo
@@ -119,7 +119,7 @@ def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper:
     """The metrics of one model: parameters, both FLOPs counts, throughput when `with_time`,
     and the paper's figures beside ours when `paper` (a config's `paper:` section) is given."""
     from memzoo.backbone.model import count_params
-    from memzoo.ops.flops import TABLE2_BATCH, TABLE2_SEQ_LEN, step_flops
+    from memzoo.flops import TABLE2_BATCH, TABLE2_SEQ_LEN, step_flops
 
     fl = step_flops(mc, s.batch, s.seq_len, seed=seed)
     m = {"params": count_params(mc), **fl.as_dict(), "step_shape": f"{s.batch}x{s.seq_len}", "tokens": fl.tokens}

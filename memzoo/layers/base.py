@@ -55,7 +55,7 @@ Where it sits in a backbone block and what the block hands it (memzoo/backbone/m
 - ``aux_loss``: an auxiliary training loss of the last forward (MoM's load balancing),
   already weighted; set by forward, added to the LM loss by HybridLM.
 
-What the bench and the cost counter need to know (memzoo/bench, memzoo/ops/flops.py):
+What the bench and the cost counter need to know (memzoo/bench, memzoo/flops.py):
 
 - ``bench_cost``: relative CPU cost of the layer's bench runs (the plain backbone is 1.0),
   used to share layers among worker processes.
@@ -264,7 +264,7 @@ class MemoryLayer(nn.Module):
 
     def meta_scalar(self, x: Tensor) -> int | None:
         """The value an integer `.item()` in this layer's forward takes while its FLOPs are
-        counted on the meta device (memzoo.ops.flops.step_flops), given the forward's input x:
+        counted on the meta device (memzoo.flops.step_flops), given the forward's input x:
         a size that depends on the data. None (the default): the layer reads none."""
         return None
 

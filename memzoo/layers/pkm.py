@@ -132,7 +132,7 @@ class PKM(MemoryLayer):
     per_sequence = False  # no batch dimension; any batch size (the memory is the slow weights)
     site = "ffn"
     bench_cost = 1.3
-    #: a token reads k rows of the values: Table 2's FLOPs leave them out (memzoo.ops.flops)
+    #: a token reads k rows of the values: Table 2's FLOPs leave them out (memzoo.flops)
     sparse_params = ("values",)
 
     def __init__(

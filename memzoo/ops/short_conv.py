@@ -29,7 +29,7 @@ def causal_conv(xp: Tensor, w: Tensor) -> Tensor:
     """xp [..., c-1+T, C] (the c-1 inputs before the first output, then T inputs), w [c, C] (taps
     first) -> y [..., T, C]. In xp's dtype (as a convolution under autocast: w is cast to it)."""
     c = w.shape[0]
-    if xp.is_meta:  # FLOP counting (memzoo.ops.flops): the same function as conv1d, which the counter prices
+    if xp.is_meta:  # FLOP counting (memzoo.flops): the same function as conv1d, which the counter prices
         y = F.conv1d(xp.flatten(0, -3).transpose(1, 2), w.to(xp.dtype).t()[:, None], groups=w.shape[1])
         return y.transpose(1, 2).unflatten(0, xp.shape[:-2])
     T = xp.shape[-2] - c + 1
