@@ -364,6 +364,8 @@ class Context:
     progress: bool = True
     on_work: Callable[[int, str], None] | None = None  # (units done, what runs now): the bench's progress bar
     resume: bool = False  # skip what is already recorded with the same config and seed
+    _doing: str = field(default="", init=False, repr=False)  # what runs now and its units done (a toy cell's
+    _step: int = field(default=0, init=False, repr=False)  # steps): where a failure happened
 
     def record(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float,
                seed: int | None = None) -> dict:
@@ -380,9 +382,6 @@ class Context:
         self._doing = doing
         if self.on_work is not None:
             self.on_work(units, doing)
-
-    _doing: str = field(default="", init=False, repr=False)  # what runs now and its units done (a toy cell's
-    _step: int = field(default=0, init=False, repr=False)  # steps): where a failure happened
 
     def fail(self, suite: str, layer: str, part, exc: BaseException) -> dict:
         """A measurement that raised: its traceback appended to ``<work dir>/logs/<run id>.log``, one

@@ -59,7 +59,7 @@ def parse_strict(cls, d: dict | None, where: str):
 
 # ---- the typed-field checker -----------------------------------------------------------------
 
-_KIND = {int: "an int", float: "a number", str: "a string", dict: "a mapping", tuple: "a list of numbers"}
+_KIND = {int: "an int", float: "a number", str: "a string", bool: "true or false", dict: "a mapping", tuple: "a list of numbers"}
 
 
 def _ge(low):
@@ -101,7 +101,7 @@ def _check_fields(obj, where: str, ranges: dict) -> None:
         test, text = ranges.get(f.name, (None, ""))
         t = _typed(v, kind)
         if t is None:
-            raise ConfigError(f"{where}.{f.name} must be {' '.join(filter(None, (_KIND[kind], text)))}, "
+            raise ConfigError(f"{where}.{f.name} must be {' '.join(filter(None, (_KIND.get(kind, f"a {kind.__name__}"), text)))}, "
                               f"got {v!r} ({type(v).__name__})")
         if test is not None and not test(t):
             raise ConfigError(f"{where}.{f.name} must be {text}, got {t!r}")
@@ -117,8 +117,7 @@ def check_layer_options(name: str, options, d_model: int, where: str) -> str:
     no draw from torch's RNG); returns the layer's registered name. `where` names the key."""
     import torch
 
-    from memzoo.registry import build_layer
-    from memzoo.registry import get_layer, layer_names
+    from memzoo.registry import build_layer, get_layer, layer_names
 
     try:
         cls = get_layer(str(name))

@@ -268,3 +268,9 @@ def test_an_odd_attention_head_size_is_one_error_where_attention_is_used():
     with pytest.raises(ConfigError, match=r"model.attn_head_dim: 5 is odd; the attention's rotary embedding"):
         ModelConfig.from_dict({"layout": "SWA", "d_model": 64, "n_layers": 2, "attn_head_dim": 5})
     ModelConfig.from_dict({"layout": "GDN", "d_model": 64, "n_layers": 2, "attn_head_dim": 5})  # no attention: no matter
+
+
+def test_a_flag_of_the_wrong_type_is_one_error():
+    # hypothesis found it: `compile: null` raised KeyError(<class 'bool'>) from the error message itself
+    with pytest.raises(ConfigError, match=r"train.compile must be true or false, got None"):
+        TrainConfig.from_dict({"compile": None})

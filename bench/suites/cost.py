@@ -107,7 +107,7 @@ def time_training_step(mc, tc, batch: int, seq_len: int, device: str, warmup: in
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t = time_fn(lambda: train_step([(x, y)], tc.lr), warmup, steps, device)
-    out = {"step_s": t.median, "step_spread": (t.quantile(0.9) - t.quantile(0.1)) / t.median, "step_runs": len(t.times)}
+    out = {"step_s": t.median, "step_spread": (t.quantile(0.9) - t.quantile(0.1)) / t.median}
     if cuda:
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         del model, opt, train_step

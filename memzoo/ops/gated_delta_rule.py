@@ -234,9 +234,6 @@ def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_s
     return o.to(v.dtype), final_state
 
 
-_warned: set[str] = set()
-
-
 @functools.cache
 def fla_unusable(device_index: int | None = None) -> str | None:
     """Why fla's chunk kernel cannot serve "auto" on this CUDA device, or None where it can: fla
@@ -284,8 +281,7 @@ def gated_delta_rule(
     """
     if backend == "auto":
         why = fla_unusable(q.device.index) if q.is_cuda else "CPU"
-        if why and q.is_cuda and why not in _warned:
-            _warned.add(why)
+        if why and q.is_cuda:  # shown once: the message is the same each time (warnings' default filter)
             warnings.warn(f"gated_delta_rule: the torch path on CUDA, not fla's kernel: {why}", stacklevel=2)
         backend = "torch" if why else "fla"
     if backend == "torch":
