@@ -101,7 +101,8 @@ def _check_fields(obj, where: str, ranges: dict) -> None:
         test, text = ranges.get(f.name, (None, ""))
         t = _typed(v, kind)
         if t is None:
-            raise ConfigError(f"{where}.{f.name} must be {' '.join(filter(None, (_KIND.get(kind, f"a {kind.__name__}"), text)))}, "
+            want = _KIND.get(kind, f"a {kind.__name__}")
+            raise ConfigError(f"{where}.{f.name} must be {' '.join(filter(None, (want, text)))}, "
                               f"got {v!r} ({type(v).__name__})")
         if test is not None and not test(t):
             raise ConfigError(f"{where}.{f.name} must be {text}, got {t!r}")
