@@ -17,7 +17,7 @@ kernel on CPU under ``TRITON_INTERPRET=1`` (tests/test_kernels_fwpkm.py).
 """
 
 from .bag import embedding_bag
-from .lookup import lookup
+from .lookup import LOOKUP_MAX_K, lookup
 from .segment import Segments, segment_sum, segment_sum_reference
 
-__all__ = ["Segments", "embedding_bag", "lookup", "segment_sum", "segment_sum_reference"]
+__all__ = ["LOOKUP_MAX_K", "Segments", "embedding_bag", "lookup", "segment_sum", "segment_sum_reference"]

@@ -134,6 +134,11 @@ def _lookup_kernel(Q, KEYS, SCORES, INDEX, SUB_S, SUB_I, PAIR,
     tl.store(PAIR + top, out_pair, mask=kmask)
 
 
+# The merge keeps a [BLOCK_M, k²] candidate tile in registers: at PKM's k = 32 (16K floats a program)
+# the lookup stalled on an H200 (docs/performance.md), so the layers use it up to this k.
+LOOKUP_MAX_K = 16
+
+
 def _pow2(x: int, low: int = 16) -> int:
     return max(low, triton.next_power_of_2(x))
 

@@ -238,7 +238,7 @@ class PKM(MemoryLayer):
     def address(self, x: Tensor) -> tuple[Lookup, Tensor]:
         """Eqs. 5-8 and 3: the top-k slots of every head and their softmax weights [B, T, H, k]."""
         q, kern = self.queries(x), pk.kernels(x, self.triton)
-        if kern:  # the fused kernel selects; the k selected scores are recomputed differentiably
+        if kern and self.topk <= kern.LOOKUP_MAX_K:  # the fused kernel selects; the k selected scores are recomputed differentiably
             with torch.no_grad():
                 look = kern.lookup(q, self.subkeys, self.topk, score="dot")
             top = selected_subkey_scores(q, self.subkeys, look.sub_index, score="dot")
