@@ -274,6 +274,14 @@ class HybridLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the cache is the model's own (per block: GDN state, KV cache), made by forward
 
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict, *args, **kwargs) -> dict:
+        """Carry the cache to the next call by our own name: transformers before 5.2x looks for it
+        only as `past_key_values`, `cache_params`, ... (not `cache`), and would re-run the whole
+        sequence every step, writing the prompt into a persistent memory again."""
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+        model_kwargs["cache"] = outputs.cache
+        return model_kwargs
+
     def prepare_inputs_for_generation(self, input_ids: Tensor, cache: list | None = None,
                                       attention_mask: Tensor | None = None, **_generation_state) -> dict:
         """The prompt on the first call, then only the newest token: the backbone's cache and
