@@ -156,16 +156,25 @@ def test_a_nonfinite_input_poisons_only_its_own_sequence_from_there_on():
         assert not yb[1, 3].isfinite().all() and yb[1, 4:].isnan().all()
 
 
-def test_backbone_logits_causal_in_the_targets():
+def test_backbone_memory_learns_from_the_next_tokens():
+    """In a HybridLM the layer's losses are against the sequence's next tokens (the paper's x_{t+1}),
+    whatever positions the task's labels are on; causal in the inputs; without targets it only reads."""
     torch.manual_seed(0)
     model = HybridLM.from_layout("GDN+SWA | FWL", **BACKBONE, memory={"fwl": layer_options("fwl")}).double().eval()
     ids = torch.randint(0, 50, (2, 13))
     inp, tg = ids[:, :-1], ids[:, 1:].clone()
     ref = model(inp, targets=tg).logits
+    labels_on_some = torch.full_like(tg, -100)
+    labels_on_some[:, [3, 7, -1]] = tg[:, [3, 7, -1]]  # as MQAR labels its queries only
+    torch.testing.assert_close(model(inp, targets=labels_on_some).logits, ref, rtol=0, atol=0)
+    read_only = model(inp).logits
+    torch.testing.assert_close(read_only[:, 0], ref[:, 0], rtol=0, atol=0)  # nothing written before position 0
+    assert (read_only[:, 2:] - ref[:, 2:]).abs().max() > 1e-8
     t = 5
-    tg[:, t] = (tg[:, t] + 1) % 50
-    new = model(inp, targets=tg).logits
-    torch.testing.assert_close(new[:, : t + 1], ref[:, : t + 1], rtol=0, atol=0)
+    changed = inp.clone()
+    changed[:, t] = (changed[:, t] + 1) % 50
+    new = model(changed, targets=tg).logits
+    torch.testing.assert_close(new[:, :t], ref[:, :t], rtol=0, atol=0)
     assert (new[:, t + 1 :] - ref[:, t + 1 :]).abs().max() > 1e-8
 
 
@@ -237,7 +246,8 @@ def test_no_grad_gives_the_same_values():
 # ---- 4. in the backbone -------------------------------------------------------------------------
 def test_backbone_places_fwl_on_top_and_hands_it_the_lm_head():
     """"GDN+SWA | FWL": on the last block after its FFN; the logits are output_head(h + FWL(RMSNorm(h)))
-    where FWL is SGD on L_t = CE(output_head(h_t + f_θ(x_t)), target_t): the backbone's own head."""
+    where FWL is SGD on L_t = CE(output_head(h_t + f_θ(x_t)), x_{t+1}): the backbone's own head, the
+    sequence's next token (a label masked by the task does not mask the memory's loss)."""
     torch.manual_seed(0)
     model = HybridLM.from_layout("GDN+SWA | FWL", **BACKBONE, memory={"fwl": layer_options("fwl")}).double().eval()
     assert model.layout.memories == (("fwl", (3,)),)
@@ -253,7 +263,7 @@ def test_backbone_places_fwl_on_top_and_hands_it_the_lm_head():
     logits = model(inp, targets=tg).logits
     h, x = seen["h"], seen["x"]
     head_bt = lambda y, b, t: model.output_head(h[b, t] + y)  # noqa: E731
-    ref, _ = naive_fwl(fwl, x, tg, head_bt)
+    ref, _ = naive_fwl(fwl, x, ids[:, 1:], head_bt)
     torch.testing.assert_close(logits, model.output_head(h + ref), **TOL)
     assert (ref - fwl.read_state(x, fwl.init_state(2))).abs().max() > 1e-3
 

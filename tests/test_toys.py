@@ -598,7 +598,7 @@ def test_value_set_scores_the_queried_value_any_value_of_the_sequence_and_by_pla
     y[0, 5], y[0, 7] = 21, 20
 
     class Answers(torch.nn.Module):  # answers 21 everywhere: the value of k2, wrong for k1 but in the set
-        def forward(self, ids):
+        def forward(self, ids, targets=None):
             logits = torch.zeros(*ids.shape, 32)
             logits[..., 21] = 1.0
             return SimpleNamespace(logits=logits)

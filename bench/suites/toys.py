@@ -52,7 +52,8 @@ State size (the capacity figure's x axis): the recurrent state one sequence carr
 Variants (``variants``): extra rows of a layer with other options or another place (``at``), run
 with the layer or alone (``memzoo bench --layers fwpkm/token``). Chunk-level layers (FwPKM, FwMLP,
 LaCT) read before they write a chunk, so the presets give them chunks of a few pairs; FWL keeps a
-chunk as long as the sequence (the paper's plain FWL). Training runs in bf16 autocast with
+chunk as long as the sequence (the paper's plain FWL) and learns from the sequence's next tokens
+(its L_t), not from the task's labels, which MQAR puts on the queries only. Training runs in bf16 autocast with
 torch.compile (``precision``, ``compile``); evaluation in fp32 eager. ``python -m
 memzoo.bench.experiments.reruns DIR`` reads a rerun beside the published rows. Why each choice,
 with its measurements: docs/toys.md; speed: docs/performance.md.
@@ -75,6 +76,7 @@ from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, Context,
 from memzoo.config import ConfigError, ModelConfig, TrainConfig
 from memzoo.data import assoc_retrieval as ar
 from memzoo.data import mqar
+from memzoo.registry import get_layer
 from memzoo.train import lr_at, make_step, param_groups
 
 NAME = "toys"
@@ -345,7 +347,7 @@ def evaluate(model: HybridLM, sets: dict, batch_size: int) -> dict[int, float]:
         for i in range(0, len(x), batch_size):
             model.load_memory_state(start)
             xc, yc = x[i : i + batch_size].to(dev), y[i : i + batch_size].to(dev)
-            # targets as in training: layers that learn from them (FWL) see only earlier ones
+            # with targets, as in training: FWL learns from the sequence's next tokens (HybridLM.forward)
             logits = model(xc, targets=yc).logits
             mask = yc != mqar.IGNORE
             hits += (logits.argmax(-1)[mask] == yc[mask]).sum().item()
@@ -438,8 +440,11 @@ def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
     train = {k: getattr(s, k) for k in keep}
     if s.solve_on != "mean":  # the default is left out: the rows recorded before the option keep their hashes
         train["solve_on"] = s.solve_on
-    return {"model": mc.to_dict(), "task": task, "data": data, "lrs": s.candidates(layer), "train": train,
-            "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 2}
+    config = {"model": mc.to_dict(), "task": task, "data": data, "lrs": s.candidates(layer), "train": train,
+              "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 2}
+    if any(get_layer(name).needs_targets for name in mc.memory):  # FWL's losses against the next tokens, not the
+        config["memory_targets"] = "next"  # task's labels (HybridLM.forward): rows from before have another hash
+    return config
 
 
 def cell_key(ctx: Context, s: Settings, name: str, task: str, width: int, seed: int) -> tuple:

@@ -228,8 +228,11 @@ class HybridLM(PreTrainedModel, GenerationMixin):
         attention_mask: Tensor | None = None,
         return_dict: bool | None = None,
     ) -> MemzooOutput:
-        """targets[b, t] is the token after input_ids[b, t] (-100 = ignore). `labels` is the
-        Hugging Face form (same positions as input_ids, shifted here). `keep_memory=True`
+        """targets[b, t] is what the loss asks at position t (-100 = ignore): in an LM the token
+        after input_ids[b, t]. A memory that learns from its own losses (`needs_targets`: FWL)
+        gets the sequence's next tokens instead, given targets (without, it only reads): the
+        paper's x_{t+1}, also where the task's loss is only on some positions (MQAR's queries).
+        `labels` is the Hugging Face form (same positions as input_ids, shifted here). `keep_memory=True`
         carries every memory layer's fast weights on from the previous call even where the
         backbone starts new sequences (cache=None): the PPL protocol of fast weights carried
         across a document's consecutive sequences (FwPKM Sec. 4.2). `stream=True` (with
@@ -253,11 +256,13 @@ class HybridLM(PreTrainedModel, GenerationMixin):
                 m.detach_state()  # continue from the fast weights, not from the last step's graph
             if cache is None:
                 m.hold(stream and use_cache)
+        # the call's last successor is its target's (in an LM the stream's next token)
+        mem_targets = None if targets is None else torch.cat([input_ids[:, 1:], targets[:, -1:].to(input_ids.dtype)], 1)
         h = self.embed(input_ids)
         new_cache = []
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
-            h, c = block(h, None if cache is None else cache[i], targets, self.output_head if i == last else None)
+            h, c = block(h, None if cache is None else cache[i], mem_targets, self.output_head if i == last else None)
             new_cache.append(c)
         logits = self.output_head(h)
         loss = aux = None
