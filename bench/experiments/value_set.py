@@ -14,6 +14,7 @@ with one of them: ``in_set`` near 1 and ``acc`` near 1/n, the same for every pai
 keeps only the latest pair has ``by_pair`` high at the last place only. ::
 
     python -m memzoo.bench.experiments.value_set linear --steps 1000 --lr 1e-3
+    python -m memzoo.bench.experiments.value_set fwmlp --lr 3e-3 --at 0 --options '{"before_mixer": true}'
 """
 
 from __future__ import annotations
@@ -45,13 +46,21 @@ def value_set(model, task, device: str = "cpu") -> dict:
     return out
 
 
-def run(layer: str, steps: int, lr: float, seed: int = 0) -> dict:
+def run(layer: str, steps: int, lr: float, seed: int = 0, options: dict | None = None, at: str | None = None) -> dict:
+    """Train the recall cell of `layer` (or, with `options` / `at`, of the layer changed so) and score it."""
     from memzoo.bench.common import load_preset
     from memzoo.bench.suites import toys
 
     preset = load_preset("recall")
     s = preset.settings(toys.NAME, toys.Settings)
     s.max_steps = s.min_steps = s.patience = steps
+    if options or at:
+        base = s.variants.get(layer, {"layer": layer})
+        probe = {**base, "options": {**base.get("options", {}), **(options or {})}}
+        if at:
+            probe["at"] = at
+        layer = f"{layer}+{json.dumps(options or {}, sort_keys=True)}" + (f"@{at}" if at else "")
+        s.variants = {**s.variants, layer: probe}
     task = toys.Task("mqar", s)
     mc = toys.toy_config(preset, layer, s.widths[0], task.vocab, s)
     fit = toys.train_cell(mc, task, lr, s, seed)
@@ -65,13 +74,15 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--options", type=json.loads, default=None, help='layer options over the preset\'s, as JSON: \'{"lr": 1.0}\'')
+    ap.add_argument("--at", default=None, help="the block the memory sits in (the layout's @), e.g. 0")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     from memzoo.cpu import tune_cpu
 
     tune_cpu()
     for layer in a.layers:
-        print(json.dumps(run(layer, a.steps, a.lr, a.seed)), flush=True)
+        print(json.dumps(run(layer, a.steps, a.lr, a.seed, a.options, a.at)), flush=True)
 
 
 if __name__ == "__main__":

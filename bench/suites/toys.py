@@ -23,7 +23,9 @@ at least the chunk (8), a query lies in a later chunk than its pair, where a rea
 reads it. ``route: hybrid`` (``standard``, ``capacity``) is the second view: the memory behind a GDN.
 Behind a mixer the paper's FwPKM stays at chance (its top-k read never lands on the pair's slots and
 passes no gradient to slots it did not select); ``fwpkm/token`` addresses it by the token (the first
-block, before its mixer) and recalls. The measurements: docs/toys.md.
+block, before its mixer) and recalls. FwMLP recalls only with all three of the token's query, the
+release's gradient clamp and a 10x fast step (``fwmlp/token``). LaCT's one step per 8-token chunk
+moves its fast weights ~1e-4 of a read. The measurements: docs/toys.md.
 
 Protocol, per cell (layer, task, width, seed):
 
