@@ -301,6 +301,21 @@ def test_detach_state_cuts_grad(name):
     assert all(v.grad_fn is None for v in layer.state.values())
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_state_keeps_its_dtype_under_autocast(name):
+    """Under bf16 autocast (how the bench and the trainer run on CPU) the fast weights stay in the
+    dtype the layer keeps them in: a matmul of fp32 state would otherwise come back bf16."""
+    layer = make_layer(name, dtype=torch.float32)
+    T, _ = seq_plan(layer)
+    layer.reset(batch(layer, 2))
+    kept = {k: v.dtype for k, v in layer.state.items()}
+    x = rand_x(2, T).float()
+    with torch.autocast("cpu", torch.bfloat16):
+        fwd(layer, x, targets_for(layer, x))
+        fwd(layer, x, targets_for(layer, x))
+    assert {k: v.dtype for k, v in layer.state.items()} == kept
+
+
 # ---- 5. non-finite input and empty sequences ---------------------------------------------------
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("name", NAMES)

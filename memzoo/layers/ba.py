@@ -83,7 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memzoo.layers.base import MemoryLayer, State
+from memzoo.layers.base import MemoryLayer, State, state_precision
 from memzoo.registry import register_layer
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": torch.relu, "tanh": torch.tanh}
@@ -189,8 +189,10 @@ class FastWeightsCell(nn.Module):
 
     def slow(self, h: Tensor, cx: Tensor) -> Tensor:
         """u = W h + C x (h [B, R]; cx [B, R] or [B, T, R], broadcast over T)."""
-        wh = F.linear(h, self.W.to(h.dtype))
-        return cx.to(h.dtype) + (wh if cx.dim() == h.dim() else wh.unsqueeze(1))
+        W, cx = self.W.to(h.dtype), cx.to(h.dtype)
+        if cx.dim() == h.dim():
+            return torch.addmm(cx, h, W.t())  # one op per token
+        return cx + F.linear(h, W).unsqueeze(1)
 
     def step(self, A: Tensor, h: Tensor, cx: Tensor) -> tuple[Tensor, Tensor]:
         return fast_weight_step(
@@ -274,7 +276,9 @@ class BaFastWeights(MemoryLayer):
     # ---- read: each position queries the memory so far -----------------------------------
     def read_state(self, x: Tensor, state: State) -> Tensor:
         """y_t = O settle(A, W h + C x̂_t) for every t of x, all against the stored (A, h)."""
-        h = self.cell.settle(state["A"], state["h"], self.in_proj(self.in_norm(x)))
+        cx = self.in_proj(self.in_norm(x))
+        with state_precision(x.device):  # in the state's dtype, as the recurrence
+            h = self.cell.settle(state["A"], state["h"], cx)
         return self.out_proj(h.to(x.dtype))
 
     # ---- write: run the recurrence ---------------------------------------------------------
@@ -282,9 +286,13 @@ class BaFastWeights(MemoryLayer):
     def _run(self, x: Tensor, state: State) -> tuple[list[Tensor], State]:
         cx = self.in_proj(self.in_norm(x))
         A, h, hs = state["A"], state["h"], []
-        for t in range(x.shape[1]):
-            h, A = self.cell.step(A, h, cx[:, t])
-            hs.append(h)
+        # the recurrence in the state's dtype (>= fp32): under bf16 autocast the write would return
+        # A in bf16, and every token's ops would cast (the loop is dispatch-bound: docs/performance.md)
+        with state_precision(x.device):
+            cx = cx.to(h.dtype)
+            for t in range(x.shape[1]):
+                h, A = self.cell.step(A, h, cx[:, t])
+                hs.append(h)
         return hs, {"A": A, "h": h}
 
     def write_state(self, x: Tensor, state: State) -> State:

@@ -71,11 +71,22 @@ improves recall) lives on the test side, in tests/conftest.py.
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
+
+
+def state_precision(device: torch.device):
+    """A context in which a layer's fast-weight math runs in the state's own dtype (>= fp32):
+    autocast off where the device has it (not on meta, where FLOPs are counted). Under bf16
+    autocast a matmul of fp32 fast weights would return bf16, and the state would be bf16 from
+    its first update on."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 State = dict[str, Tensor]
 

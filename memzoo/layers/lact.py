@@ -93,7 +93,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.backbone.ffn import RMSNorm
-from memzoo.layers.base import MemoryLayer, State
+from memzoo.layers.base import MemoryLayer, State, state_precision
 from memzoo.ops.muon import newton_schulz5
 from memzoo.registry import register_layer
 from memzoo.storage import load_transposed
@@ -381,7 +381,8 @@ class LaCT(MemoryLayer):
     # ---- read ------------------------------------------------------------------------------
     def _read(self, p: dict, state: State, dtype: torch.dtype) -> Tensor:
         """o = W_o [scale ⊙ RMSNorm(f(q; W))]_heads (layer:557-570)."""
-        o = swiglu_fast(p["q"], state).to(dtype)  # [B, H, T, d]
+        with state_precision(p["q"].device):
+            o = swiglu_fast(p["q"], state).to(dtype)  # [B, H, T, d]
         o = self.ttt_norm(o)
         if p["scale"] is not None:
             o = o * p["scale"][..., None]
@@ -399,7 +400,8 @@ class LaCT(MemoryLayer):
         mu = p["mu"].mean(-1) if self.use_momentum else None  # μ̄ [B, H]
         m = {k: state[k] for k in MOMENTUM_KEYS} if self.use_momentum else None
         w = {k: state[k] for k in FAST_KEYS}
-        new_w, new_m = lact_update(w, p["k"], p["v"], p["lr"], norms, mu, m, self.use_muon)
+        with state_precision(p["k"].device):  # in the fast weights' dtype, also under autocast
+            new_w, new_m = lact_update(w, p["k"], p["v"], p["lr"], norms, mu, m, self.use_muon)
         new = dict(new_w)
         if new_m is not None:
             new.update(new_m)
