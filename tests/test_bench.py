@@ -459,6 +459,7 @@ def test_ctrl_c_in_a_terminal_stops_the_bench_and_its_workers_at_once(tmp_path):
     import os
     import pty
     import select
+    import signal
     import sys
     import time
 
@@ -475,6 +476,9 @@ def test_ctrl_c_in_a_terminal_stops_the_bench_and_its_workers_at_once(tmp_path):
            "--jobs", "2", "--out", str(out), "--work-dir", str(tmp_path / "work")]
     pid, fd = pty.fork()
     if pid == 0:  # the child: a session of its own whose controlling terminal is the pty
+        # as a terminal's foreground job: a shell's background job (`cmd &`, how CI may run
+        # the tests) starts with SIGINT ignored, and an ignored disposition survives exec
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execv(sys.executable, cmd)
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # wide enough for the workers' status
     seen, t_end = b"", time.time() + 120
