@@ -232,8 +232,8 @@ class HybridLM(PreTrainedModel, GenerationMixin):
         after input_ids[b, t]. A memory that learns from its own losses (`needs_targets`: FWL)
         gets the sequence's next tokens instead, given targets (without, it only reads): the
         paper's x_{t+1}, also where the task's loss is only on some positions (MQAR's queries).
-        `labels` is the Hugging Face form (same positions as input_ids, shifted here). `keep_memory=True`
-        carries every memory layer's fast weights on from the previous call even where the
+        `labels` is the Hugging Face form (same positions as input_ids, shifted here).
+        `keep_memory=True` carries every memory layer's fast weights on from the previous call even where the
         backbone starts new sequences (cache=None): the PPL protocol of fast weights carried
         across a document's consecutive sequences (FwPKM Sec. 4.2). `stream=True` (with
         use_cache): the calls of a stream may split anywhere (module docstring); it is set by

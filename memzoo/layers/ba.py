@@ -189,10 +189,8 @@ class FastWeightsCell(nn.Module):
 
     def slow(self, h: Tensor, cx: Tensor) -> Tensor:
         """u = W h + C x (h [B, R]; cx [B, R] or [B, T, R], broadcast over T)."""
-        W, cx = self.W.to(h.dtype), cx.to(h.dtype)
-        if cx.dim() == h.dim():
-            return torch.addmm(cx, h, W.t())  # one op per token
-        return cx + F.linear(h, W).unsqueeze(1)
+        wh = F.linear(h, self.W.to(h.dtype))
+        return cx.to(h.dtype) + (wh if cx.dim() == h.dim() else wh.unsqueeze(1))
 
     def step(self, A: Tensor, h: Tensor, cx: Tensor) -> tuple[Tensor, Tensor]:
         return fast_weight_step(

@@ -71,8 +71,7 @@ improves recall) lives on the test side, in tests/conftest.py.
 
 from __future__ import annotations
 
-import contextlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import ClassVar
 
 import torch
@@ -86,7 +85,7 @@ def state_precision(device: torch.device):
     its first update on."""
     if torch.amp.is_autocast_available(device.type):
         return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+    return nullcontext()
 
 State = dict[str, Tensor]
 
