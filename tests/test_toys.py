@@ -160,6 +160,8 @@ def test_settings_are_checked(tmp_path):
         toys.Settings(layer_options={"fwpmk": {}}).check()
     with pytest.raises(ConfigError, match="variants.x must be"):
         toys.Settings(variants={"x": {"layer": "nope"}}).check()
+    with pytest.raises(ConfigError, match="variants.x.widths must be positive integers"):
+        toys.Settings(variants={"x": {"layer": "fwl", "widths": [0]}}).check()
     with pytest.raises(ConfigError, match="layer_lrs: unknown layer"):
         toys.Settings(layer_lrs={"fwpmk": [1e-3]}).check()
     with pytest.raises(ConfigError, match="toys.model: unknown backbone field"):
@@ -605,3 +607,13 @@ def test_value_set_scores_the_queried_value_any_value_of_the_sequence_and_by_pla
 
     out = value_set(Answers(), SimpleNamespace(test={2: (x, y)}))
     assert out[2] == {"acc": 0.5, "in_set": 1.0, "one_in_n": 0.5, "by_pair": [0.0, 1.0]}
+
+
+def test_a_variant_with_widths_of_its_own_trains_only_at_them(tmp_path):
+    """A size variant (``widths``) adds cells at its widths alone; the layer keeps the preset's."""
+    ctx = _ctx(tmp_path, widths=[64], seeds=2, variants={"fwl/narrow": {"layer": "fwl", "widths": [8, 16]}})
+    s = ctx.preset.settings(toys.NAME, toys.Settings)
+    plan = list(toys._plan(ctx, ["fwl"]))
+    assert sorted({(m, w) for m, _, w, _ in plan}) == [("fwl", 64), ("fwl/narrow", 8), ("fwl/narrow", 16)]
+    assert len(plan) == len(s.tasks) * 2 * 3  # two seeds of each
+    assert toys.work(ctx, "fwl") == len(s.tasks) * s.seeds * s.max_steps * len(s.lrs) * 3

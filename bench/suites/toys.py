@@ -51,8 +51,9 @@ Evaluation runs batches of ``batch_size`` sequences, as training does; persisten
 back to their trained value before every evaluation batch and to where training left them after it.
 State size (the capacity figure's x axis): the recurrent state one sequence carries, in numbers
 (GDN matrices, the memory's fast weights, attention's KV cache at the sequence or window length).
-Variants (``variants``): extra rows of a layer with other options or another place (``at``), run
-with the layer or alone (``memzoo bench --layers fwpkm/token``). Chunk-level layers (FwPKM, FwMLP,
+Variants (``variants``): extra rows of a layer with other options, another place (``at``) or widths
+of their own (``widths``: a smaller state, as Zoology varies the width), run with the layer or alone
+(``memzoo bench --layers fwpkm/token``). Chunk-level layers (FwPKM, FwMLP,
 LaCT) read before they write a chunk, so the presets give them chunks of a few pairs; FWL keeps a
 chunk as long as the sequence (the paper's plain FWL) and learns from the sequence's next tokens
 (its L_t), not from the task's labels, which MQAR puts on the queries only. Training runs in bf16 autocast with
@@ -126,7 +127,7 @@ class Settings:
     # backbone fields over the preset's (gdn_head_dim: fixed); by default local mixers (route: memory)
     model: dict = field(default_factory=lambda: {"gdn_chunk": 16, "layout": "SWA", "window": 4})
     layer_options: dict = field(default_factory=_toy_layer_options)  # per layer, merged over the preset's
-    variants: dict = field(default_factory=dict)  # extra rows: {name: {layer: L, options: {...}, at: A}}, run with L
+    variants: dict = field(default_factory=dict)  # extra rows: {name: {layer: L, options: {...}, at: A, widths: [...]}}
     seeds: int = 1
     lrs: list = field(default_factory=lambda: [3e-3])  # candidates, chosen on validation (ties: the first)
     layer_lrs: dict = field(default_factory=dict)  # a layer's (or control's) own candidates
@@ -195,9 +196,11 @@ class Settings:
         if any(not isinstance(w, int) or w < 1 for w in self.widths):
             raise ConfigError(f"toys.widths must be positive integers, got {self.widths}")
         for name, v in self.variants.items():
-            if not isinstance(v, dict) or set(v) - {"layer", "options", "at"} or v.get("layer") not in layer_names():
+            if not isinstance(v, dict) or set(v) - {"layer", "options", "at", "widths"} or v.get("layer") not in layer_names():
                 raise ConfigError(f"toys.variants.{name} must be {{layer: <a registered layer>, options: {{...}}, at: <where, "
-                                  f"optional>}}, got {v!r}")
+                                  f"optional>, widths: <its own, optional>}}, got {v!r}")
+            if "widths" in v and (not v["widths"] or any(not isinstance(w, int) or w < 1 for w in v["widths"])):
+                raise ConfigError(f"toys.variants.{name}.widths must be positive integers, got {v['widths']!r}")
             if name in layer_names() or name in CONTROLS or name == BASELINE:
                 raise ConfigError(f"toys.variants: {name!r} is already a layer's or a control's name")
         valid_lrs = [BASELINE, *CONTROLS, *layer_names(), *self.variants]
@@ -213,6 +216,10 @@ class Settings:
 
     def candidates(self, layer: str) -> list[float]:
         return list(self.layer_lrs.get(layer, self.lrs))
+
+    def widths_of(self, model: str) -> list[int]:
+        """The widths a model is trained at: a variant's own (a smaller state), else ``widths``."""
+        return list(self.variants.get(model, {}).get("widths", self.widths))
 
 
 # ---- models --------------------------------------------------------------------------------
@@ -472,8 +479,8 @@ def work(ctx: Context, layer: str) -> int:
     """Units of work for the progress bar: the training steps of one layer at the cap (a cell
     that stops early counts the rest at once)."""
     s = ctx.preset.settings(NAME, Settings)
-    per = len(s.tasks) * len(s.widths) * s.seeds * s.max_steps
-    return sum(per * len(s.candidates(m)) for m in cells(layer, s))
+    per = len(s.tasks) * s.seeds * s.max_steps
+    return sum(per * len(s.widths_of(m)) * len(s.candidates(m)) for m in cells(layer, s))
 
 
 def _plan(ctx: Context, layers: list[str]):
@@ -482,7 +489,7 @@ def _plan(ctx: Context, layers: list[str]):
     for layer in layers:
         for name in cells(layer, s):
             for tname in s.tasks:
-                for width in s.widths:
+                for width in s.widths_of(name):
                     for seed in range(ctx.seed, ctx.seed + s.seeds):
                         yield name, tname, width, seed
 
