@@ -336,7 +336,7 @@ def _with_recorded(rec: Recorder, names: list[str], suites: list[str]) -> list[d
     from memzoo.bench.common import CONTROLS, read_results
 
     def ours(layer: str) -> bool:
-        return layer.split("/")[0] in names or (layer in CONTROLS and BASELINE in names)
+        return layer in names or layer.split("/")[0] in names or (layer in CONTROLS and BASELINE in names)
 
     return [r for r in read_results(rec.path) if r["preset"] == rec.preset and r["suite"] in suites and ours(r["layer"])]
 

@@ -137,6 +137,34 @@ def test_layer_forward_is_the_per_token_recurrence(kw):
         torch.testing.assert_close(layer.state["h"][b], h, **F64)
 
 
+def test_training_runs_the_recurrence_compiled_in_pieces():
+    """With gradients on, on a CPU, a sequence of four pieces or more runs compiled, SCAN_CHUNK
+    tokens a graph (module docstring): the outputs, the state and the gradients of the naive
+    per-token loop, including across a piece's end and the eager tail."""
+    from memzoo.layers import ba
+
+    layer = _layer(hidden_size=8)
+    c = layer.cell
+    T = 4 * ba.SCAN_CHUNK + 3
+    x = torch.randn(2, T, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    layer.reset(2)
+    y = layer(x)
+    assert ba._compiled_scan not in (None, False)  # the compiled path ran
+    (gx,) = torch.autograd.grad((y * torch.cos(y)).sum(), x)
+    C, O, W, g = layer.in_proj.weight, layer.out_proj.weight, c.W, layer.in_norm.weight
+    xr = x.detach().requires_grad_()
+    xn = xr / torch.sqrt(xr.pow(2).mean(-1, keepdim=True) + layer.in_norm.eps) * g
+    refs = [naive_recurrence(xn[b] @ C.T, 8, c.decay, c.eta, c.inner_steps, c.norm.weight, c.norm.bias, c.ln_eps,
+                             c.act, W=W) for b in range(2)]
+    ref_y = torch.stack([hs @ O.T for hs, _, _ in refs])
+    (ref_gx,) = torch.autograd.grad((ref_y * torch.cos(ref_y)).sum(), xr)
+    torch.testing.assert_close(y, ref_y, **F64)
+    torch.testing.assert_close(gx, ref_gx, rtol=1e-9, atol=1e-11)
+    for b, (_, A, h) in enumerate(refs):
+        torch.testing.assert_close(layer.state["A"][b], A, **F64)
+        torch.testing.assert_close(layer.state["h"][b], h, **F64)
+
+
 def test_read_is_each_position_as_the_next_token():
     """read(x)[:, t] is the output x_t would get as the next token after the memory so far."""
     layer = _layer(hidden_size=8, inner_steps=2)

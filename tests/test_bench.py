@@ -94,6 +94,9 @@ def test_a_resumed_run_prints_the_whole_comparison(tmp_path):
     assert sorted((r["layer"], r["run_id"]) for r in shown) == [
         (BASELINE, "old"), ("ctrl:attention", "old"), ("fwpkm", "new"), ("fwpkm/shared", "old")]
     assert [r["layer"] for r in _with_recorded(new, ["fwpkm"], ["toys"])] == ["fwpkm/shared", "fwpkm"]
+    # a variant run alone (--layers fwpkm/shared) shows its own rows beside the baseline's
+    assert [r["layer"] for r in _with_recorded(new, [BASELINE, "fwpkm/shared"], ["toys"])] == [
+        BASELINE, "ctrl:attention", "fwpkm/shared"]
 
 
 def test_ppl_protocol(micro, tmp_path):

@@ -72,12 +72,17 @@ Cost: per token O(B·R²) for the write and for each of the S settling steps; tr
 of every token for backward, O(T·B·R²) memory (R = 64, B = 16, T = 256: 67 MB per layer). The
 decayed outer-product write is the recurrence of :mod:`memzoo.ops.linear_attention` with k = v = h
 and a constant λ, but h_t depends non-linearly on A_{t−1} through the inner loop, so there is no
-parallel (chunked) form over time; the recurrence runs token by token.
+parallel (chunked) form over time; the recurrence runs token by token. Its ~10 small ops a token
+(and twice as many backward) are bound by dispatch, so training on a CPU runs it in pieces of
+``SCAN_CHUNK`` tokens, each one graph compiled by torch.compile (the same ops, fused; one compile
+per shape and hyper-parameters, then reused by every layer): docs/performance.md.
 """
 
 from __future__ import annotations
 
 from typing import Callable, ClassVar
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +142,47 @@ def fast_weight_step(
     (Eq. 1). A [B, R, R], u [B, R] = W h(t) + C x(t+1). Returns (h(t+1), A(t+1))."""
     h = fast_weight_settle(A, u, inner_steps, norm, act)
     return h, fast_weight_write(A, h, decay, eta)
+
+
+def scan(
+    A: Tensor, h: Tensor, cx: Tensor, W: Tensor, gain: Tensor, bias: Tensor, *,
+    decay: float, eta: float, inner_steps: int, activation: str, eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The recurrence over the inputs cx [B, T, R] = C x̂ from (A, h): for each t, u = W h + cx_t,
+    then :func:`fast_weight_step`. Returns (h_1..h_T [B, T, R], A_T, h_T). Tensors and constants
+    only (no module), so that one compiled graph serves every layer of the same shapes."""
+    act = ACTIVATIONS[activation]
+
+    def norm(u: Tensor) -> Tensor:
+        return F.layer_norm(u, (u.shape[-1],), gain, bias, eps)
+
+    hs = []
+    for t in range(cx.shape[1]):
+        h, A = fast_weight_step(A, cx[:, t] + F.linear(h, W), decay=decay, eta=eta, inner_steps=inner_steps,
+                                norm=norm, act=act)
+        hs.append(h)
+    return (torch.stack(hs, dim=1) if hs else cx.new_zeros(cx.shape)), A, h
+
+
+#: tokens per compiled piece of the recurrence: 16 steps unrolled compile in well under a minute
+SCAN_CHUNK = 16
+_compiled_scan = None  # torch.compile(scan), built on first use; False once compiling failed
+
+
+def _scan_compiled(*args, **kw) -> tuple[Tensor, Tensor, Tensor] | None:
+    """`scan` of SCAN_CHUNK tokens compiled, or None where it cannot be (then the caller runs it
+    eager): compiling needs a C++ compiler, and a failure is warned of once."""
+    global _compiled_scan
+    if _compiled_scan is None:
+        _compiled_scan = torch.compile(scan, dynamic=False, fullgraph=True)
+    if _compiled_scan is False:
+        return None
+    try:
+        return _compiled_scan(*args, **kw)
+    except Exception as e:  # noqa: BLE001 (no compiler, an unsupported platform): eager is correct, only slower
+        _compiled_scan = False
+        warnings.warn(f"ba: the compiled recurrence failed ({type(e).__name__}: {e}); running it eager", stacklevel=2)
+        return None
 
 
 def _check_hparams(hidden_size: int, inner_steps: int, decay: float, eta: float, activation: str) -> None:
@@ -280,18 +326,27 @@ class BaFastWeights(MemoryLayer):
         return self.out_proj(h.to(x.dtype))
 
     # ---- write: run the recurrence ---------------------------------------------------------
-    @torch.compiler.disable  # a loop over tokens: traced, it unrolls into a graph that takes minutes to compile
-    def _run(self, x: Tensor, state: State) -> tuple[list[Tensor], State]:
+    @torch.compiler.disable  # a loop over tokens: traced whole, it unrolls into a graph that takes minutes to compile
+    def _run(self, x: Tensor, state: State) -> tuple[Tensor, State]:
         cx = self.in_proj(self.in_norm(x))
-        A, h, hs = state["A"], state["h"], []
+        A, h, T = state["A"], state["h"], x.shape[1]
         # the recurrence in the state's dtype (>= fp32): under bf16 autocast the write would return
-        # A in bf16, and every token's ops would cast (the loop is dispatch-bound: docs/performance.md)
+        # A in bf16, and every token's ops would cast
         with state_precision(x.device):
-            cx = cx.to(h.dtype)
-            for t in range(x.shape[1]):
-                h, A = self.cell.step(A, h, cx[:, t])
-                hs.append(h)
-        return hs, {"A": A, "h": h}
+            c, cx = self.cell, cx.to(h.dtype)
+            args = (c.W.to(h.dtype), c.norm.weight.to(h.dtype), c.norm.bias.to(h.dtype))
+            kw = dict(decay=c.decay, eta=c.eta, inner_steps=c.inner_steps, activation=c.activation, eps=c.ln_eps)
+            # compiled in pieces when training on a CPU on sequences of several pieces (module docstring)
+            pieces, done = [], 0
+            if x.device.type == "cpu" and torch.is_grad_enabled() and T >= 4 * SCAN_CHUNK:
+                while done + SCAN_CHUNK <= T and (out := _scan_compiled(A, h, cx[:, done : done + SCAN_CHUNK], *args, **kw)):
+                    hs, A, h = out
+                    pieces.append(hs)
+                    done += SCAN_CHUNK
+            if done < T or not pieces:
+                hs, A, h = scan(A, h, cx[:, done:], *args, **kw)
+                pieces.append(hs)
+        return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0], {"A": A, "h": h}
 
     def write_state(self, x: Tensor, state: State) -> State:
         """h_t = settle(A_{t−1}, W h_{t−1} + C x̂_t), A_t = λ A_{t−1} + η h_t h_tᵀ, t = 1..T."""
@@ -300,9 +355,7 @@ class BaFastWeights(MemoryLayer):
     # ---- causal mixing: per token read then write, computed once ---------------------------
     def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
         hs, state = self._run(x, state)
-        if not hs:
-            return x.new_zeros(x.shape), state
-        return self.out_proj(torch.stack(hs, dim=1).to(x.dtype)), state
+        return self.out_proj(hs.to(x.dtype)), state
 
     # ---- diagnostics ---------------------------------------------------------------------
     @torch.no_grad()
