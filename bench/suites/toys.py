@@ -25,7 +25,9 @@ Behind a mixer the paper's FwPKM stays at chance (its top-k read never lands on 
 passes no gradient to slots it did not select); ``fwpkm/token`` addresses it by the token (the first
 block, before its mixer) and recalls. FwMLP recalls only with all three of the token's query, the
 release's gradient clamp and a 10x fast step (``fwmlp/token``). LaCT's one step per 8-token chunk
-moves its fast weights ~1e-4 of a read. The measurements: docs/toys.md.
+moves its fast weights ~1e-4 of a read. FWL's features (width and hidden) outnumber the 32 key tokens
+at width 64, so it holds every pair; its curve falls at a narrow state (``fwl/narrow``, width 8). The
+measurements: docs/toys.md.
 
 Protocol, per cell (layer, task, width, seed):
 
