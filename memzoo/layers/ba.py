@@ -80,9 +80,8 @@ per shape and hyper-parameters, then reused by every layer): docs/performance.md
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar
-
 import warnings
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
