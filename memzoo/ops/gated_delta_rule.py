@@ -146,11 +146,12 @@ def gated_delta_rule_chunked(
     pad = N * C - T
 
     # non-finite tokens: zeroed here, their outputs poisoned at the end (docstring)
-    # (one sum per token: non-finite iff an element is; in the compute dtype, which finite inputs cannot overflow)
+    # (one sum per token: non-finite iff an element is, short of finite values near the dtype's max)
     bad = ~(q.sum(-1, dtype=dt) + k.sum(-1, dtype=dt) + v.sum(-1, dtype=dt) + g.to(dt) + beta.to(dt)).isfinite()
-    # on a CPU, asking whether there is one costs nothing and saves the masking (~10% of forward and
-    # backward at the toys' shapes); on an accelerator it would wait for the device, so it masks always
-    masked = bad.device.type != "cpu" or bool(bad.any())
+    # eager on a CPU, asking whether there is one costs nothing and saves the masking (~10% of forward
+    # and backward at the toys' shapes); on an accelerator it would wait for the device, and compiled it
+    # would break the graph (where the masking is fused anyway), so there it masks always
+    masked = bad.device.type != "cpu" or torch.compiler.is_compiling() or bool(bad.any())
     if masked:
         q, k, v = (x.where(~bad[..., None], 0) for x in (q, k, v))
         g, beta = (x.where(~bad, 0) for x in (g, beta))
