@@ -53,15 +53,21 @@ def _show(tok, ids: list[int], i: int, width: int = 12) -> str:
     return f"{piece(lo, i)}[{piece(i, i + 1)}]{piece(i + 1, hi)}"
 
 
-@torch.no_grad()
-def trace(model: HybridLM, ids: torch.Tensor, seq_len: int) -> list[list[dict]]:
-    """Read `ids` [T]; per memory layer, per call: the stats() of that call."""
-    per_layer: list[list[dict]] = [[] for _ in model.memories()]
-    for m in model.memories():  # fresh traces; persistent memories keep what training wrote
+def restart_traces(model: HybridLM) -> None:
+    """Fresh retrieval traces (stream positions from 0, no slot written yet) for a new sequence of
+    batch 1: per-sequence memories start empty, persistent ones keep the fast weights they hold."""
+    for m in model.memories():
         kept = None if m.per_sequence else {k: v.clone() for k, v in m.state.items()}
         m.reset(1)
         if kept is not None:
             m.load_state(kept)
+
+
+@torch.no_grad()
+def trace(model: HybridLM, ids: torch.Tensor, seq_len: int) -> list[list[dict]]:
+    """Read `ids` [T]; per memory layer, per call: the stats() of that call."""
+    per_layer: list[list[dict]] = [[] for _ in model.memories()]
+    restart_traces(model)  # persistent memories keep what training wrote
     cache = None
     for s in range(0, ids.numel(), seq_len):
         x = ids[s : s + seq_len][None]

@@ -267,3 +267,65 @@ def test_tables_and_figures(tmp_path):
     again = suite.figures(df.sample(frac=1, random_state=0), tmp_path / "b")
     for p, q in zip(paths, again):  # deterministic: same data, same bytes
         assert hashlib.sha256(p.read_bytes()).hexdigest() == hashlib.sha256(q.read_bytes()).hexdigest()
+
+
+def test_fwpkm_gate_and_hit_diagnostics_with_one_slot_by_hand():
+    """bench/experiments/niah_fwpkm on a memory of one slot (top-1 of 1² slots), so every read
+    has weight 1 on slot 0, and after a pass written as one chunk (lookahead: q_t stores
+    v_{t+1}) its last writer is the pass's last token. The haystack ends with the needle's
+    value 481444, so that writer is the needle's last digit "3": at the six answer positions
+    the read stores the true next token only for the last digit (hit = needle = 1/6), a digit
+    every time (digit = 1), and always something this sample wrote (written = 1). In pass 2
+    the writer is the same digit one haystack later (n = 2: the same shares). The gates are
+    the layer's own at the needle's writing positions ("=" and the first five digits)."""
+    from dataclasses import replace
+
+    from memzoo.bench.experiments import niah_fwpkm
+    from memzoo.data.niah import Needle, NiahSample
+
+    torch.manual_seed(0)
+    base = model_config(load_preset("tiny"), "baseline", d_model=32, n_layers=2, ffn_dim=64, gdn_heads=2, gdn_head_dim=16)
+    mc = replace(base, layout="SWA | fwpkm@0", window=4,
+                 memory={"fwpkm": {"key_dim": 8, "value_dim": 8, "n_subkeys": 1, "topk": 1, "chunk_size": 64}})
+    model = HybridLM(mc).eval()
+    text = "Some words of a play.\nRemember qzfa=481444"
+    hay = torch.tensor(TOK.encode(text))
+    q = torch.tensor(TOK.encode("\nWhat is qzfa? qzfa="))
+    a = torch.tensor(TOK.encode("481444"))
+    smp = NiahSample(hay, q, a, [Needle("qzfa", "481444", text.index("Remember"), 0.5)], 0)
+    digit_ids = torch.tensor([TOK.encode(str(d))[0] for d in range(10)])
+    for n in (1, 2):
+        (r,) = niah_fwpkm.measure_sample(model, smp, n, piece=1024, digit_ids=digit_ids)
+        assert r["hit"] == pytest.approx(4 / 6) and r["needle"] == pytest.approx(1 / 6)
+        assert r["digit"] == pytest.approx(1.0) and r["written"] == pytest.approx(1.0)
+        logits = suite.read_and_ask(model, smp, [n], piece=1024)[n]
+        assert r["digits"] == pytest.approx((logits.argmax(-1) == a).float().mean().item())
+        assert 0 <= r["value_cos"] <= 1
+    # training format, one window, chunks of 8: a read sees the slot as the previous chunk's last pair
+    # left it, storing the token just before its own chunk (position 8·floor(p/8) - 1)
+    mem = model.memories()[0]
+    mem.chunk_size = 8
+    window = torch.tensor(TOK.encode(text + ".\nWhat is qzfa? qzfa=481444"))
+    answers = torch.zeros(window.numel(), dtype=torch.bool)
+    answers[-6:] = True
+    ans = torch.arange(window.numel() - 7, window.numel() - 1)  # inputs whose next token is a digit
+    writer = ans // 8 * 8 - 1
+    expect_hit = (window[writer] == window[ans + 1]).float().mean().item()
+    expect_needle = (writer == torch.arange(d0 := text.index("481444"), d0 + 6)).float().mean().item()
+    (r,) = niah_fwpkm.measure_windows(model, window[None], answers[None], 1, digit_ids)
+    assert expect_hit == pytest.approx(3 / 6) and expect_needle == 0  # the question's own "4" at 63, read from 64 on
+    assert r["questions"] == 1 and r["written"] == pytest.approx(1.0)  # (the means are rounded to 4 places)
+    assert r["hit"] == pytest.approx(expect_hit, abs=1e-4) and r["needle"] == pytest.approx(expect_needle, abs=1e-4)
+    assert r["digit"] == pytest.approx(torch.isin(window[writer], digit_ids).float().mean().item(), abs=1e-4)
+    mem.chunk_size = 64
+    from memzoo.inspection import restart_traces
+
+    restart_traces(model)
+    with torch.no_grad():
+        model(hay[None])
+    g = mem.stats()["gates"][0]
+    on = torch.zeros(hay.numel(), dtype=torch.bool)
+    on[d0 - 1 : d0 + 5] = True
+    (r,) = niah_fwpkm.measure_sample(model, smp, 1, piece=1024, digit_ids=digit_ids)
+    assert r["gate_needle"] == pytest.approx(g[on].mean().item(), abs=1e-6)
+    assert r["gate_hay"] == pytest.approx(g[~on].mean().item(), abs=1e-6)

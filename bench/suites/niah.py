@@ -54,6 +54,13 @@ preset's NIAH LMs. One needle per haystack: telling two needles apart is a matte
 budget (an induction copy comes before a key-bound one), not of its memory. The calibration runs:
 docs/niah.md.
 
+The memory the only route (issue 39, pilots in docs/niah.md): with every mixer a 4-token window the
+backbone alone is at chance and FWL recalls every needle. The paper's FwPKM, its fast weights
+shared by the batch as the paper trains them, stays at chance: in training a question's read lands
+on its needle's slots for 1-2% of its weight, the batch's other sequences having overwritten them
+(``python -m memzoo.bench.experiments.niah_fwpkm LM_DIR``: the paper's gate and [HIT] measurements).
+With a memory per sequence it gets 36-40% of the answer digits (chance 11%), at 96 and 256 tokens.
+
 The 128K-token check (not in the default run; peak RSS and speed of untrained models, one layer
 per process: docs/niah.md holds the figures)::
 
