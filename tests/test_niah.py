@@ -273,11 +273,13 @@ def test_fwpkm_gate_and_hit_diagnostics_with_one_slot_by_hand():
     """bench/experiments/niah_fwpkm on a memory of one slot (top-1 of 1² slots), so every read
     has weight 1 on slot 0, and after a pass written as one chunk (lookahead: q_t stores
     v_{t+1}) its last writer is the pass's last token. The haystack ends with the needle's
-    value 481444, so that writer is the needle's last digit "3": at the six answer positions
-    the read stores the true next token only for the last digit (hit = needle = 1/6), a digit
-    every time (digit = 1), and always something this sample wrote (written = 1). In pass 2
-    the writer is the same digit one haystack later (n = 2: the same shares). The gates are
-    the layer's own at the needle's writing positions ("=" and the first five digits)."""
+    value 481444, so that writer is the needle's last digit "4": at the six answer positions
+    the read stores the true next token wherever that is a 4 (hit = 4/6), is the matching needle
+    digit only at the last (needle = 1/6), stores a digit every time (digit = 1) and always
+    something this sample wrote (written = 1). In pass 2 the writer is the same digit one
+    haystack later (n = 2: the same shares). The training-format read follows the same rule
+    with chunks of 8. The gates are the layer's own at the needle's writing positions ("=" and
+    the first five digits)."""
     from dataclasses import replace
 
     from memzoo.bench.experiments import niah_fwpkm
@@ -293,7 +295,7 @@ def test_fwpkm_gate_and_hit_diagnostics_with_one_slot_by_hand():
     q = torch.tensor(TOK.encode("\nWhat is qzfa? qzfa="))
     a = torch.tensor(TOK.encode("481444"))
     smp = NiahSample(hay, q, a, [Needle("qzfa", "481444", text.index("Remember"), 0.5)], 0)
-    digit_ids = torch.tensor([TOK.encode(str(d))[0] for d in range(10)])
+    digit_ids = niah_fwpkm.digit_tokens(TOK)
     for n in (1, 2):
         (r,) = niah_fwpkm.measure_sample(model, smp, n, piece=1024, digit_ids=digit_ids)
         assert r["hit"] == pytest.approx(4 / 6) and r["needle"] == pytest.approx(1 / 6)

@@ -55,6 +55,11 @@ def value_span(hay: torch.Tensor, start: int, answer: torch.Tensor) -> int:
     raise ValueError("the needle's value is not in the haystack")
 
 
+def digit_tokens(tok) -> torch.Tensor:
+    """Token ids of the digits 0-9."""
+    return torch.tensor([tok.encode(str(d))[0] for d in range(10)])
+
+
 def read_metrics(w, wp, stored, truth, from_needle, v_digit, answer, digit_ids) -> dict:
     """The read at the answer positions of one question: top-k weights `w`, writer positions `wp`
     (-1: not written since the sample began) and stored tokens `stored` [6, H·k]; `truth` [6] the
@@ -204,7 +209,7 @@ def measure(lm_dir: str | Path, lengths: list[int], iters: list[int], samples: i
     s = load_preset(preset).settings(niah.NAME, niah.Settings)
     tok = get_tokenizer(tok_name)
     source = TextSource(niah.eval_texts(tc["corpus"], tc["seed"]), tok)
-    digit_ids = torch.tensor([tok.encode(str(d))[0] for d in range(10)])
+    ids = digit_tokens(tok)
     trained = model.memory_state(persistent_only=True)
     rows = []
     try:
@@ -214,7 +219,7 @@ def measure(lm_dir: str | Path, lengths: list[int], iters: list[int], samples: i
                 per = [[] for _ in range(n_mem)]
                 for smp in smps:
                     model.load_memory_state(trained)
-                    for k, r in enumerate(measure_sample(model, smp, n, s.piece, digit_ids)):
+                    for k, r in enumerate(measure_sample(model, smp, n, s.piece, ids)):
                         per[k].append(r)
                 for k, rs in enumerate(per):
                     rows.append({"lm": Path(lm_dir).name, "layer": k, "length": length, "n_iter": n,
@@ -241,9 +246,9 @@ def measure_training_format(lm_dir: str | Path, windows: int, batches: list[int]
     rng = random.Random(seed)
     ws = [mix.window(rng) for _ in range(windows)]
     full, answers = torch.stack([w for w, _ in ws]), torch.stack([a for _, a in ws])
-    digit_ids = torch.tensor([tok.encode(str(d))[0] for d in range(10)])
+    ids = digit_tokens(tok)
     return [{"lm": Path(lm_dir).name, "layer": k, "format": "training", "batch": b, **r}
-            for b in batches for k, r in enumerate(measure_windows(model, full, answers, b, digit_ids))]
+            for b in batches for k, r in enumerate(measure_windows(model, full, answers, b, ids))]
 
 
 def main(argv=None) -> None:
