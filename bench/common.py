@@ -137,11 +137,12 @@ def check_layers(names: list[str]) -> list[str]:
     return out
 
 
-def model_config(preset: Preset, layer: str, **backbone_overrides) -> ModelConfig:
+def model_config(preset: Preset, layer: str, variant: dict | None = None, **backbone_overrides) -> ModelConfig:
     """The preset's backbone with `layer` plugged in (the backbone alone for BASELINE).
     `backbone_overrides` replace backbone fields (a suite's own sizes, e.g. the toys' vocab);
-    the layer's options are the preset's, as they are. The controls replace the backbone's
-    mixers: attention with a short convolution (the GDN's width), or none."""
+    the layer's options are the preset's, with a `variant`'s (``{layer, at, options}``, see
+    `check_variants`) place and options over them. The controls replace the backbone's mixers:
+    attention with a short convolution (the GDN's width), or none."""
     base = {**preset.backbone, **backbone_overrides}
     if layer == BASELINE:
         return ModelConfig.from_dict(base)
@@ -151,12 +152,36 @@ def model_config(preset: Preset, layer: str, **backbone_overrides) -> ModelConfi
         return ModelConfig.from_dict({**base, "layout": "NONE"})
     from memzoo.registry import get_layer
 
+    variant = variant or {}
+    layer = variant.get("layer", layer)
     spec = preset.layers.get(layer, LayerSpec())
-    at = spec.at
+    at = variant.get("at", spec.at)
     if at is None and getattr(get_layer(layer), "default_where", None) is None:
         at = "last"  # a layer the preset does not list (a plugin's) and that names no place
     item = layer if at is None else f"{layer}@{at}"
-    return ModelConfig.from_dict({**base, "layout": f"{base.get('layout', 'GDN')} | {item}", "memory": {layer: dict(spec.options)}})
+    options = {**spec.options, **(variant.get("options") or {})}
+    return ModelConfig.from_dict({**base, "layout": f"{base.get('layout', 'GDN')} | {item}", "memory": {layer: options}})
+
+
+def check_backbone(fields: dict, where: str) -> None:
+    """A suite's backbone changes (``<suite>.model``): ModelConfig fields only."""
+    unknown = sorted(set(fields) - set(ModelConfig.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"{where}: unknown backbone field(s) {unknown}")
+
+
+def check_variants(variants: dict, where: str, keys: tuple[str, ...] = ("layer", "options", "at")) -> None:
+    """A suite's variants: extra rows of a registered layer with other options or another place,
+    ``{name: {layer: L, options: {...}, at: A}}`` (`keys`: the fields the suite takes), named
+    apart from every layer and control."""
+    from memzoo.registry import layer_names
+
+    for name, v in variants.items():
+        if not isinstance(v, dict) or set(v) - set(keys) or v.get("layer") not in layer_names():
+            fields = ", ".join(f"{k}: ..." for k in keys)
+            raise ConfigError(f"{where}.{name} must be {{{fields}}} with a registered layer, got {v!r}")
+        if name in layer_names() or name in CONTROLS or name == BASELINE:
+            raise ConfigError(f"{where}: {name!r} is already a layer's or a control's name")
 
 
 def lm_train_config(preset: Preset, **overrides) -> TrainConfig:

@@ -79,27 +79,42 @@ def persistent(rc: RunConfig) -> bool:
         return any(not m.per_sequence and len(m.state) > 0 for m in HybridLM(rc.model).memories())
 
 
-def models(ctx: Context, layer: str) -> list[str]:
-    """The LMs the ppl and niah suites evaluate for `layer`: the layer's, and with the baseline
-    the controls' where the niah suite's `controls` is on."""
+def models(ctx: Context, layer: str, suite: str = "ppl") -> list[str]:
+    """The LMs `suite` evaluates for `layer`: the layer's, the niah suite's variants of it
+    (`niah.variants`), and with the baseline the controls' where the niah suite's `controls` is on."""
     from memzoo.bench.common import BASELINE, CONTROLS
 
-    controls = layer == BASELINE and _niah(ctx).controls
-    return [layer, *(CONTROLS if controls else ())]
+    s = _niah(ctx)
+    variants = sorted(n for n, v in s.variants.items() if v["layer"] == layer) if suite == "niah" else []
+    controls = layer == BASELINE and s.controls
+    return [layer, *variants, *(CONTROLS if controls else ())]
+
+
+def backbone(ctx: Context, suite: str) -> dict:
+    """The backbone changes of `suite`'s LMs (`<suite>.model`): ppl's, and niah's own where it
+    trains its own LMs (`niah.lm`); without them niah evaluates ppl's LMs, so it takes ppl's."""
+    from memzoo.config import ConfigError
+
+    ppl, s = suite_module("ppl"), _niah(ctx)
+    if s.model and not s.lm:
+        raise ConfigError("niah.model needs niah.lm: without LMs of its own the niah suite evaluates the ppl suite's")
+    return s.model if suite == "niah" and s.lm else ctx.preset.settings(ppl.NAME, ppl.Settings).model
 
 
 def lm_config(ctx: Context, layer: str, suite: str = "ppl") -> tuple[RunConfig, dict, str]:
-    """The run config of `layer`'s LM for `suite`, its needle mixture, and the cache key."""
+    """The run config of `layer`'s LM for `suite` (a layer, a niah variant or a control), its
+    needle mixture, and the cache key."""
     ppl = suite_module("ppl")
 
     mix = _mixture(ctx, suite)
     own = _niah(ctx).lm if suite == "niah" else {}
     tc = lm_train_config(ctx.preset, seed=ctx.seed, device=ctx.device, **own)
-    rc = RunConfig(model_config(ctx.preset, layer), tc)
+    variant = _niah(ctx).variants.get(layer) if suite == "niah" else None
+    rc = RunConfig(model_config(ctx.preset, layer, variant, **backbone(ctx, suite)), tc)
     if suite == ppl.NAME and ctx.preset.settings(ppl.NAME, ppl.Settings).document_order and persistent(rc):
         mix["document_order"] = True
     key = config_hash({**rc.to_dict(), **mix, "held_out": HELD_OUT_TITLES, "version": 1})
-    rc.train.out_dir = str(Path(ctx.work_dir) / "lm" / f"{layer}-{key}")
+    rc.train.out_dir = str(Path(ctx.work_dir) / "lm" / f"{layer.replace('/', '-')}-{key}")
     return rc, mix, key
 
 
@@ -121,7 +136,7 @@ def untrained_steps(ctx: Context, layer: str, suites: list[str]) -> int:
     none for one that is cached, and each LM once."""
     steps = {}
     for suite in suites:
-        for name in models(ctx, layer):
+        for name in models(ctx, layer, suite):
             rc, _, _ = lm_config(ctx, name, suite)
             done = str(rc.train.out_dir) in _loaded or (Path(rc.train.out_dir) / "lm.json").exists()
             steps[str(rc.train.out_dir)] = 0 if done else rc.train.steps

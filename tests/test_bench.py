@@ -529,3 +529,40 @@ def test_a_preset_names_the_suites_a_bench_without_suite_runs(tmp_path):
     bad.write_text(yaml.safe_dump({**MICRO, "run": {"suites": ["toys", "speed"]}}))
     with pytest.raises(ConfigError, match=r"run: expected \{suites: \[...\]\} with suites among cost, toys, ppl, niah"):
         load_preset(bad)
+
+
+def test_niah_lms_of_a_memory_only_backbone_with_a_variant_and_controls_asked_once(micro, tmp_path, monkeypatch):
+    """`niah.model` changes the backbone of the suite's own LMs (and `ppl.model` ppl's, apart),
+    `niah.variants` adds an LM of a layer with another place and options, and the controls read
+    each haystack once (n-iter is a memory's); a resumed run finds all of them recorded."""
+    import memzoo.bench.lm as lm
+    from memzoo.bench.suites import niah
+
+    preset = load_preset(micro)
+    preset.suites["niah"] = {"lm": {"seq_len": 64, "steps": 2}, "model": {"layout": "SWA", "window": 4}, "controls": True,
+                             "variants": {"fwpkm/seq": {"layer": "fwpkm", "at": "0", "options": {"per_sequence": True}}},
+                             "lengths": [48], "iters": [1, 2], "samples": 1, "needles": 1, "train_mix": 1.0}
+    preset.suites["ppl"] = {**preset.suites["ppl"], "model": {"window": 8}}
+    work = tmp_path / "work"
+    ctx = Context(preset, 0, Recorder(tmp_path, "micro", 0), work, progress=False)
+    assert lm.models(ctx, "fwpkm", "niah") == ["fwpkm", "fwpkm/seq"] and lm.models(ctx, "fwpkm", "ppl") == ["fwpkm"]
+    assert (lm.lm_config(ctx, "fwpkm", "ppl")[0].model.layout, lm.lm_config(ctx, "fwpkm", "ppl")[0].model.window) == ("GDN | fwpkm@1", 8)
+    rows = niah.run(ctx, ["baseline", "fwpkm"])
+    asked = {(r["layer"], r["setting"]["n_iter"]) for r in rows}
+    assert asked == {("baseline", 1), ("baseline", 2), ("fwpkm", 1), ("fwpkm", 2), ("fwpkm/seq", 1), ("fwpkm/seq", 2),
+                     ("ctrl:attention", 1), ("ctrl:none", 1)}
+    model = {r["layer"]: r["config"]["lm"]["model"] for r in rows}
+    assert {k: (m["layout"], m["window"]) for k, m in model.items()} == {
+        "baseline": ("SWA", 4), "fwpkm": ("SWA | fwpkm@1", 4), "fwpkm/seq": ("SWA | fwpkm@0", 4),
+        "ctrl:attention": ("FA", 4), "ctrl:none": ("NONE", 4)}
+    assert model["fwpkm/seq"]["memory"]["fwpkm"]["per_sequence"] is True and "per_sequence" not in model["fwpkm"]["memory"]["fwpkm"]
+    monkeypatch.setattr(lm, "shared_lm", lambda *a, **k: pytest.fail("a recorded LM was loaded again"))
+    again = niah.run(Context(preset, 0, Recorder(tmp_path, "micro", 0), work, progress=False, resume=True), ["baseline", "fwpkm"])
+    assert sorted((r["layer"], r["setting"]["n_iter"]) for r in again) == sorted(asked)
+    preset.suites["niah"] = {"model": {"window": 4}}
+    with pytest.raises(ConfigError, match="niah.model needs niah.lm"):
+        lm.lm_config(ctx, "fwpkm", "niah")
+    with pytest.raises(ConfigError, match="niah.variants: 'fwpkm' is already a layer's"):
+        niah.Settings(variants={"fwpkm": {"layer": "fwpkm"}})
+    with pytest.raises(ConfigError, match="niah.model: unknown backbone field"):
+        niah.Settings(model={"widnow": 4})

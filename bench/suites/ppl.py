@@ -32,6 +32,11 @@ layers whose fast weights outlive a sequence (FwPKM's and FwMLP's, shared by the
 across steps) train on their documents in order, each batch row continuing where it ended (as the
 paper trains them), so that what ``carry`` asks of them at evaluation is what they trained for.
 
+The memory the only route (``model``: the preset's backbone with these changes, for the LMs;
+the standard preset's mixers are 4-token sliding windows, 12 tokens of reach over its 4 blocks):
+each sequence's backbone starts empty, and within it reaches a few tokens back, so a carried gain
+and the probe's gain come through the memory alone.
+
 The repeated-passage probe (setting ``{"corpus": "repeat", "mode": "carry"}``): ``passages``
 held-out passages of ``passage_len`` tokens (the sonnets, unseen in training), each read
 twice, the second reading in a new sequence with the carried state of the first: the memory
@@ -77,7 +82,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from memzoo.bench.common import CONTROLS, POSITIVE, Context, layer_order, mean_ci, save_png
+from memzoo.bench.common import CONTROLS, POSITIVE, Context, check_backbone, layer_order, mean_ci, save_png
 
 NAME = "ppl"
 MODES = ("carry", "reset")
@@ -120,6 +125,7 @@ class Settings:
     passage_len: int = 128  # tokens per passage (twice this within the LMs' training length)
     repeat_mix: float = 0.0  # fraction of the LMs' training windows that read a passage twice (memzoo.data.RepeatMix)
     document_order: bool = False  # LMs with persistent fast weights train on documents in order (memzoo.data.DocumentStream)
+    model: dict = field(default_factory=dict)  # the LMs' backbone: the preset's model: section with these changes
 
     def __post_init__(self):
         from memzoo.config import ConfigError
@@ -131,6 +137,7 @@ class Settings:
             raise ConfigError(f"ppl.passages must be >= 0, got {self.passages}")
         if not 0.0 <= self.repeat_mix <= 1.0:
             raise ConfigError(f"ppl.repeat_mix must be in [0, 1], got {self.repeat_mix}")
+        check_backbone(self.model, "ppl.model")
 
 
 POSITIONS = (0, 256, 1024, 4096, 16384, 65536)  # bucket edges of the loss by position in a document

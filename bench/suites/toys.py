@@ -77,7 +77,9 @@ import torch
 from tqdm.auto import tqdm
 
 from memzoo.backbone.model import HybridLM
-from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, Context, layer_order, mean_ci, model_config, save_png
+from memzoo.bench.common import (
+    BASELINE, CONTROLS, NEGATIVE, POSITIVE, Context, check_backbone, check_variants, layer_order, mean_ci, model_config, save_png,
+)
 from memzoo.config import ConfigError, ModelConfig, TrainConfig
 from memzoo.data import assoc_retrieval as ar
 from memzoo.data import mqar
@@ -197,14 +199,10 @@ class Settings:
                               f"{len(self.mqar_kv)} mqar_kv counts")
         if any(not isinstance(w, int) or w < 1 for w in self.widths):
             raise ConfigError(f"toys.widths must be positive integers, got {self.widths}")
+        check_variants(self.variants, "toys.variants", ("layer", "options", "at", "widths"))
         for name, v in self.variants.items():
-            if not isinstance(v, dict) or set(v) - {"layer", "options", "at", "widths"} or v.get("layer") not in layer_names():
-                raise ConfigError(f"toys.variants.{name} must be {{layer: <a registered layer>, options: {{...}}, at: <where, "
-                                  f"optional>, widths: <its own, optional>}}, got {v!r}")
             if "widths" in v and (not v["widths"] or any(not isinstance(w, int) or w < 1 for w in v["widths"])):
                 raise ConfigError(f"toys.variants.{name}.widths must be positive integers, got {v['widths']!r}")
-            if name in layer_names() or name in CONTROLS or name == BASELINE:
-                raise ConfigError(f"toys.variants: {name!r} is already a layer's or a control's name")
         valid_lrs = [BASELINE, *CONTROLS, *layer_names(), *self.variants]
         for name, valid in (("layer_options", layer_names()), ("layer_lrs", valid_lrs)):
             unknown = sorted(set(getattr(self, name)) - set(valid))
@@ -212,9 +210,7 @@ class Settings:
                 raise ConfigError(f"toys.{name}: unknown layer(s) {unknown}; valid: {', '.join(valid)}")
         if any(not lrs for lrs in self.layer_lrs.values()):
             raise ConfigError("toys.layer_lrs: every layer needs at least one learning rate")
-        unknown = sorted(set(self.model) - set(ModelConfig.__dataclass_fields__))
-        if unknown:
-            raise ConfigError(f"toys.model: unknown backbone field(s) {unknown}")
+        check_backbone(self.model, "toys.model")
 
     def candidates(self, layer: str) -> list[float]:
         return list(self.layer_lrs.get(layer, self.lrs))
