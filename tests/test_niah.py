@@ -171,7 +171,7 @@ def test_fwpkm_pass_is_one_memory_update_and_samples_do_not_leak():
     assert [(r["setting"]["length"], r["setting"]["n_iter"]) for r in rows] == [(512, 1), (512, 2)]
     m = rows[0]["metrics"]
     assert m["n_samples"] == 2 and 0 <= m["accuracy"] <= 1 and set(m["by_depth"]) == {"0-50%", "50-100%"}
-    assert m["tokens_per_s"] > 0 and m["peak_rss_gib"] > 0 and m["answer_nll"] > 0
+    assert m["tokens_per_s"] > 0 and m["peak_rss_gib"] > 0 and m["answer_nll"] > 0 and m["digit_accuracy_half"] >= 0
 
 
 def test_settings_reject_unknown_keys_and_bad_values():
@@ -227,6 +227,7 @@ def fake_rows(control_acc: float = 1.0, controls: bool = True) -> pd.DataFrame:
                     "suite": "niah", "layer": layer, "preset": "tiny", "seed": 0, "wall_s": 1.0,
                     "setting": {"length": length, "n_iter": n},
                     "metrics": {"accuracy": acc, "accuracy_lo": lo, "accuracy_hi": hi, "digit_accuracy": max(acc, 0.1),
+                                "digit_accuracy_half": 0.1 if layer == "fwpkm" else 0.05,
                                 "answer_nll": 2.3 - acc, "n_samples": 8, "tokens_per_s": 1000.0 + length,
                                 "peak_rss_gib": 0.5, "by_depth": {"0-50%": acc, "50-100%": acc / 2},
                                 "inside_training": length < 256},
@@ -251,6 +252,10 @@ def test_tables_and_figures(tmp_path):
     assert acc.loc["fwpkm", "1K x2"] == "50.0 [22, 78]"  # 4 of 8: overlaps the baseline's [0, 32]
     assert acc.loc["fwpkm", "1K x3"] == "75.0 [41, 93] ▲"  # 6 of 8: wholly above it
     assert t["NIAH answer NLL (nats per answer token; chance 2.303), length x n-iter"].loc["fwpkm", "1K x1"] == 2.05
+    digits = t["NIAH answer digits right (%, ± 95% interval over samples; ▲/▼ as above), length x n-iter"]
+    assert digits.loc["baseline", "1K x1"] == "10.0 ± 5.0"
+    assert digits.loc["fwpkm", "1K x1"] == "25.0 ± 10.0"  # [15, 35] touches the baseline's [5, 15]: no mark
+    assert digits.loc["fwpkm", "1K x3"] == "75.0 ± 10.0 ▲"
     assert list(t["NIAH throughput and memory"]["layer"])[:2] == ["baseline", "baseline"]
     for table in t.values():
         table.to_markdown()

@@ -94,7 +94,7 @@ from pathlib import Path
 import torch
 
 from memzoo.bench.common import (
-    BASELINE, CONTROLS, NEGATIVE, POSITIVE, Context, check_backbone, check_variants, layer_order, save_png, wilson,
+    BASELINE, CONTROLS, NEGATIVE, POSITIVE, Context, check_backbone, check_variants, layer_order, mean_ci, save_png, wilson,
 )
 from memzoo.data.niah import NiahSample, TextSource, _question, depth_bins, depth_label, niah_samples
 
@@ -288,6 +288,7 @@ def evaluate_niah(
                     "accuracy_lo": lo,
                     "accuracy_hi": hi,
                     "digit_accuracy": sum(digits[n]) / len(digits[n]),
+                    "digit_accuracy_half": mean_ci(digits[n])[1],
                     "answer_nll": sum(nll[n]) / len(nll[n]),
                     "n_samples": len(samples),
                     "by_depth": by_depth,
@@ -389,6 +390,19 @@ def _cell(row, base) -> str:
     return f"{acc:.1f} [{lo:.0f}, {hi:.0f}]{mark}"
 
 
+def _digits(row, base) -> str:
+    """'digits ± half' in %, with ▲/▼ where the interval lies wholly above/below the baseline's
+    (rows without the interval: the value alone)."""
+    d, h = (100 * row.get(f"metrics.{k}", float("nan")) for k in ("digit_accuracy", "digit_accuracy_half"))
+    if math.isnan(h):
+        return f"{d:.1f}"
+    mark = ""
+    if base is not None and not math.isnan(base.get("metrics.digit_accuracy_half", float("nan"))):
+        bd, bh = 100 * base["metrics.digit_accuracy"], 100 * base["metrics.digit_accuracy_half"]
+        mark = " ▲" if d - h > bd + bh else " ▼" if d + h < bd - bh else ""
+    return f"{d:.1f} ± {h:.1f}{mark}"
+
+
 def tables(df) -> dict:
     """Exact match (%, with its 95% Wilson interval over the samples; ▲/▼ against the baseline),
     digits right (%) and answer NLL by layer x (length, n-iter); throughput and peak memory by
@@ -415,14 +429,18 @@ def tables(df) -> dict:
     out = {f"HARNESS INVALID ({'; '.join(bad)}): layer rows withheld; {title}" if bad else title: acc}
     if df.empty:
         return out
-    for title, metric, scale, digits in (
+    if "metrics.digit_accuracy_half" in df:
+        digits = {(r["layer"], r["col"]): _digits(r, None if r["layer"] == BASELINE else base.get(r["col"])) for r in records}
+        out["NIAH answer digits right (%, ± 95% interval over samples; ▲/▼ as above), length x n-iter"] = pd.DataFrame(
+            {c: [digits.get((layer, c), "") for layer in order] for c in cols}, index=pd.Index(order, name="layer"))
+    for title, metric, scale, ndig in (
         ("NIAH answer digits right (%), length x n-iter", "metrics.digit_accuracy", 100, 1),
         ("NIAH answer NLL (nats per answer token; chance 2.303), length x n-iter", "metrics.answer_nll", 1, 3),
     ):
-        if metric not in df:
+        if metric not in df or (scale == 100 and "metrics.digit_accuracy_half" in df):
             continue
         t = df.pivot_table(index="layer", columns="col", values=metric, aggfunc="first")
-        out[title] = (t.reindex(index=order, columns=cols) * scale).round(digits)
+        out[title] = (t.reindex(index=order, columns=cols) * scale).round(ndig)
     per_len = df.sort_values("setting.n_iter").groupby(["layer", "setting.length"], as_index=False).first()
     cost = pd.DataFrame({
         "layer": per_len["layer"],
