@@ -246,15 +246,15 @@ def run_bench(
     for s in todo:  # check every suite's settings before spending minutes on the first
         mod = suite(s)
         p.settings(mod.NAME, mod.Settings)
-    if variants := [n for n in names if "/" in n]:  # a toys variant alone, e.g. fwpkm/token
-        from memzoo.bench.suites import toys
-
-        if todo != ["toys"]:
-            raise ConfigError(f"--layers {variants[0]}: a variant is a toys row; run it with --suite toys")
-        defined = p.settings(toys.NAME, toys.Settings).variants
-        if bad := [n for n in variants if n not in defined]:
-            raise ConfigError(f"--layers {bad[0]}: preset {p.name} defines no such toys variant; it defines "
-                              f"{', '.join(defined) or 'none'}")
+    if variants := [n for n in names if "/" in n]:  # a variant alone, e.g. fwpkm/token (toys), fwpkm/seq (niah)
+        if others := [s for s in todo if s not in ("toys", "niah")]:
+            raise ConfigError(f"--layers {variants[0]}: a variant is a row of the toys or niah suite, not of {others[0]}; "
+                              f"run it with --suite toys or --suite niah")
+        for s in todo:
+            defined = p.settings(s, suite(s).Settings).variants
+            if bad := [n for n in variants if n not in defined]:
+                raise ConfigError(f"--layers {bad[0]}: preset {p.name} defines no such {s} variant; it defines "
+                                  f"{', '.join(defined) or 'none'}")
     cores = os.cpu_count() or 1
     jobs = jobs or (1 if device != "cpu" else cores)
     rec = Recorder(ensure_writable_dir(out), p.name, seed)

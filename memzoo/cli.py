@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     q.set_defaults(fn=cmd_params)
 
     b = sub.add_parser("bench", help="compare memory layers (and the plain backbone) on one backbone, data and budget")
-    b.add_argument("--layers", default="", help="comma-separated layer names (a toys variant alone as layer/variant, e.g. fwpkm/token), or 'all'; the baseline is always included")
+    b.add_argument("--layers", default="", help="comma-separated layer names (a toys or niah variant alone as layer/variant, e.g. fwpkm/token), or 'all'; the baseline is always included")
     b.add_argument("--suite", default="", help="comma-separated, of: " + ", ".join(SUITE_NAMES) + " or all (default: the preset's run.suites, else all)")
     b.add_argument("--preset", default="tiny", help="tiny (CPU minutes), paper, or a preset YAML file")
     b.add_argument("--seed", type=int, default=0)

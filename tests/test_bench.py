@@ -386,8 +386,10 @@ def test_a_toys_variant_runs_alone(tmp_path):
     s = load_preset("recall").settings(toys.NAME, toys.Settings)
     assert toys.cells("fwpkm/token", s) == ["fwpkm/token"]
     assert toys.cells("fwpkm", s) == ["fwpkm", "fwpkm/shared", *sorted(n for n in s.variants if n.startswith("fwpkm/t"))]
-    with pytest.raises(ConfigError, match="a variant is a toys row"):
+    with pytest.raises(ConfigError, match="a variant is a row of the toys or niah suite, not of cost"):
         run_bench("fwpkm/token", "cost", "recall", out=tmp_path, work_dir=tmp_path, progress=False)
+    with pytest.raises(ConfigError, match="preset recall defines no such niah variant; it defines fwpkm/seq"):
+        run_bench("fwpkm/token", "niah", "recall", out=tmp_path, work_dir=tmp_path, progress=False)
     with pytest.raises(ConfigError, match="defines no such toys variant; it defines fwpkm/shared, fwpkm/token, "):
         run_bench("fwpkm/tokn", "toys", "recall", out=tmp_path, work_dir=tmp_path, progress=False)
 

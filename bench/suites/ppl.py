@@ -35,7 +35,7 @@ paper trains them), so that what ``carry`` asks of them at evaluation is what th
 The memory the only route (``model``: the preset's backbone with these changes, for the LMs;
 the standard preset's mixers are 4-token sliding windows, 12 tokens of reach over its 4 blocks):
 each sequence's backbone starts empty, and within it reaches a few tokens back, so a carried gain
-and the probe's gain come through the memory alone.
+and the probe's gain come through the memory alone. The measurements: docs/ppl.md.
 
 The repeated-passage probe (setting ``{"corpus": "repeat", "mode": "carry"}``): ``passages``
 held-out passages of ``passage_len`` tokens (the sonnets, unseen in training), each read
@@ -94,25 +94,30 @@ document's earlier sequences are worth; the baseline and the controls carry noth
 gains are 0 by construction (a check of the harness); ▲/▼ where the 95% interval over sequences
 excludes 0 (a document's sequences are correlated: read the interval as a guide).
 
-The repeated-passage probe is the test with a known answer. The attention control, which keeps
-the first reading in its KV cache, predicts a held-out sonnet's second reading 0.845 ± 0.028
-nats/token better than its first (1.542 -> 0.697, standard preset): the harness can train and
-measure recall of a passage. A memory layer's gain is what its fast weights alone carry of a
-128-token passage into a new sequence whose backbone starts empty; read it against the control's.
+*Standard preset*: the memory the only route. Every mixer of the LMs' backbone is a 4-token
+sliding window (12 tokens of reach over 4 blocks), and each sequence's backbone starts empty, so a
+carried gain, and the probe's, come through the memory alone. The repeated-passage probe is the
+test with a known answer: the attention control, which keeps the first reading in its KV cache,
+predicts a held-out sonnet's second reading 0.726 ± 0.024 nats/token better than its first (1.533
+-> 0.807): the harness can train and measure recall of a passage. A memory layer's probe gain is
+what its fast weights alone carry of a 128-token passage into a new sequence; read it against the
+control's.
 
-Measured so far (standard): FwPKM, trained on its documents in order, carries something
-(Shakespeare gain +0.0010 ± 0.0006, sonnets +0.0006 ± 0.0003, probe +0.0092 ± 0.0009 nats/token):
-real but about 1% of the control's recall of the passage. MoM's carried state helps on the
-sonnets (+0.0045 ± 0.0025), hurts on the plays (-0.0044 ± 0.0030) and carries nothing of a
-passage (probe -0.001 ± 0.009).
+Measured (standard): FWL carries the passage best of all, the control included (+1.27 ± 0.04), but
+its carried state hurts on the plays (-0.39 ± 0.03): trained with its state reset per sequence, its
+fast weights drift over a long document; LaCT likewise (probe +0.20, plays -0.25). MoM's carried
+state helps on the plays and the sonnets (+0.0069 ± 0.0015, +0.0086 ± 0.0032) and carries nothing
+of a passage. FwPKM, trained on its documents in order, carries a little (probe +0.010 ± 0.001,
+1.4% of the control's; plays +0.0003 ± 0.0007). Linear attention: probe +0.011 ± 0.006, plays
+-0.021. PKM has no fast weights (gains 0); Ba and FwMLP carry nothing usable.
 
 What these numbers can show at this scale: whether a memory carries anything usable from one
 sequence to the next, and how much of the control's recall it recovers. What they cannot: the
 paper's gains on 4K-token sequences with LMs of 100M+ parameters. The standard LMs have 1M
 parameters and saw 6.1M tokens, half of their windows reading a passage twice (without those no
 LM here learned to copy at all: the suite's docstring), so their losses are not those of
-plain-text LMs (the control: 1.613 against 1.495 trained on plain text). The tiny preset (200
-steps, no controls) is a check of the harness; its probe rows are withheld."""
+plain-text LMs. The tiny preset (200 steps, no controls) is a check of the harness; its probe rows
+are withheld."""
 
 
 @dataclass
