@@ -119,8 +119,10 @@ fails (1K: 0%, 4K: 0%, answer loss 6-8 nats), as RoPE attention does at position
 The controls read each haystack once (n-iter is a memory's).
 
 FWL recalls through its fast weights alone: 100% at 96 tokens, 92% at 1K (8x its training windows),
-21% at 4K (digits 62%); its fast weights take a gradient step of the LM loss on every token read, so
-a second pass over the haystack buries the needle under more steps (1K: 92 -> 73 -> 67 -> 56%).
+21% at 4K (digits 62%); its fast weights take a gradient step of the LM loss on every token read
+(it needs the next tokens as targets; the answer's own are withheld: with them replaced by random
+digits its first digit was still right in 16/16 haystacks at 1K, behind the earlier GDN backbone),
+so a second pass over the haystack buries the needle under more steps (1K: 92 -> 73 -> 67 -> 56%).
 FwPKM with a memory per sequence (`fwpkm/seq`, block 0, chunk 16) gets a third of the digits at
 every length (36% at 96 tokens, 31% at 4K; ▲ against the windows' 9-11%) but no haystack whole,
 and a second and third pass add digits at 1K and 4K (4K: 30.6 -> 35.4 -> 36.8 -> 37.8%). The
