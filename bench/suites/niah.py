@@ -120,8 +120,9 @@ The controls read each haystack once (n-iter is a memory's).
 
 FWL recalls through its fast weights alone: 100% at 96 tokens, 92% at 1K (8x its training windows),
 21% at 4K (digits 62%); its fast weights take a gradient step of the LM loss on every token read
-(it needs the next tokens as targets; the answer's own are withheld: with them replaced by random
-digits its first digit was still right in 16/16 haystacks at 1K, behind the earlier GDN backbone),
+(it needs the next tokens as targets; the answer does not leak through them: with the answer's
+tokens replaced by random digits its first digit was right in 16/16 haystacks at 1K, checked behind
+the earlier GDN backbone),
 so a second pass over the haystack buries the needle under more steps (1K: 92 -> 73 -> 67 -> 56%).
 FwPKM with a memory per sequence (`fwpkm/seq`, block 0, chunk 16) gets a third of the digits at
 every length (36% at 96 tokens, 31% at 4K; ▲ against the windows' 9-11%) but no haystack whole,
