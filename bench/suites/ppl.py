@@ -116,7 +116,7 @@ sequence to the next, and how much of the control's recall it recovers. What the
 paper's gains on 4K-token sequences with LMs of 100M+ parameters. The standard LMs have 1M
 parameters and saw 6.1M tokens, half of their windows reading a passage twice (without those no
 LM here learned to copy at all: the suite's docstring), so their losses are not those of
-plain-text LMs. Each row is one LM (training seed 0) trained for a fixed budget (capped at 1500
+plain-text LMs. Each standard row is one LM (training seed 0) trained for a fixed budget (capped at 1500
 steps, not to convergence): its intervals are over sequences or passages, not over trainings.
 The tiny preset (200 steps, no controls) is a check of the harness; its probe rows are withheld."""
 
