@@ -93,7 +93,7 @@ def test_update_is_autograd_step_of_dot_product_loss(opts):
     p_all = layer.project(x, state)  # positions 0.. for the whole stream
     with torch.no_grad():
         for c in range(3):  # three chunks: the momentum buffers are non-zero from the second on
-            pc = layer._slice(p_all, c * C, (c + 1) * C)
+            pc = layer._chunks(p_all, C)[c]
             want = reference_write(layer, pc, state)
             got = layer.write_state(x[:, c * C : (c + 1) * C], state)
             for key in want:
@@ -322,6 +322,31 @@ def test_tiny_config_builds():
 def tiny_model() -> HybridLM:
     torch.manual_seed(0)
     return HybridLM.from_layout("SWA | LaCT@all", **TINY_LM, memory={"lact": layer_options("lact")})
+
+
+def test_training_on_a_cpu_runs_the_chunks_compiled():
+    """With gradients on, on a CPU, a call of COMPILE_TOKENS tokens or more and four chunks or more
+    runs each chunk compiled (module docstring: Cost): the outputs, the state and the gradients of
+    the same sequence run eager, in calls of two chunks (LaCT streams exactly on chunk boundaries)."""
+    from memzoo.layers import lact
+
+    layer = make()
+    B, T = 4, lact.COMPILE_TOKENS // 4 + 3 * C  # a last partial chunk (eager) after the compiled ones
+    x = rand_x(B, T, seed=4).requires_grad_()
+    layer.reset(B)
+    y = layer(x)
+    assert lact._compiled_chunk.compiled not in (None, False)  # the compiled path ran
+    state = {k: v.detach() for k, v in layer.state.items()}
+    (gx,) = torch.autograd.grad((y * torch.cos(y)).sum(), x)
+
+    xr = x.detach().requires_grad_()
+    layer.reset(B)
+    yr = torch.cat([layer(xr[:, s : s + 2 * C]) for s in range(0, T, 2 * C)], dim=1)
+    (gr,) = torch.autograd.grad((yr * torch.cos(yr)).sum(), xr)
+    torch.testing.assert_close(y, yr, **TOL)
+    torch.testing.assert_close(gx, gr, **TOL)
+    for k, v in layer.state.items():
+        torch.testing.assert_close(state[k], v.detach(), **TOL, msg=lambda m, k=k: f"state[{k!r}]: {m}")
 
 
 def test_hybrid_training_step():

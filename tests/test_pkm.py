@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from conftest import TINY_LM, layer_options, tiny_layer
 from memzoo.registry import build_layer
 from memzoo.layers.pkm import PKM
-from memzoo.ops.product_key import brute_force_topk, gather_values, lookup, product_topk, subkey_scores
+from memzoo.ops.product_key import brute_force_topk, candidate_pairs, gather_values, lookup, product_topk, subkey_scores
 
 F64 = dict(rtol=1e-10, atol=1e-12)
 
@@ -49,6 +49,14 @@ def _as_sets(scores, index):
 
 # per-sequence sub-keys [B, H, 2, n, Dk/2] take queries [B, T, H, Dk]
 TOPK_CASES = [(*c, False) for c in CASES] + [(*c, True) for c in CASES if len(c[0]) == 2]
+
+
+def test_candidate_pairs_are_the_cells_that_can_place():
+    """Cell (a, b) of the sorted k × k grid is beaten or tied by the (a+1)(b+1) − 1 cells above and
+    left of it: at k = 4 the cells with (a+1)(b+1) <= 4 are row 0, (1, 0), (1, 1), (2, 0), (3, 0)."""
+    assert candidate_pairs(4).tolist() == [0, 1, 2, 3, 4, 5, 8, 12]
+    assert candidate_pairs(8).numel() == 8 + 4 + 2 + 2 + 1 + 1 + 1 + 1  # Σ_a ⌊8 / (a+1)⌋
+    assert candidate_pairs(1).tolist() == [0]
 
 
 @pytest.mark.parametrize("score", ["dot", "idw"])

@@ -68,26 +68,27 @@ How the MemoryLayer verbs map onto the equations (``inclusive = False``):
   used at token t hold h_1..h_{t−1} (the paper's A(t) used for h(t+1)); x_t reaches its own
   output through C x̂_t, not through A.
 
-Cost: per token O(B·R²) for the write and for each of the S settling steps; training keeps A_t
-of every token for backward, O(T·B·R²) memory (R = 64, B = 16, T = 256: 67 MB per layer). The
-decayed outer-product write is the recurrence of :mod:`memzoo.ops.linear_attention` with k = v = h
-and a constant λ, but h_t depends non-linearly on A_{t−1} through the inner loop, so there is no
-parallel (chunked) form over time; the recurrence runs token by token. Its ~10 small ops a token
-(and twice as many backward) are bound by dispatch, so training on a CPU runs it in pieces of
-``SCAN_CHUNK`` tokens, each one graph compiled by torch.compile (the same ops, fused; one compile
-per shape and hyper-parameters, then reused by every layer): docs/performance.md.
+Cost: per token O(B·R²) for each of the S settling steps. The decayed outer-product write is the
+recurrence of :mod:`memzoo.ops.linear_attention` with k = v = h and a constant λ, but h_t depends
+non-linearly on A_{t−1} through the inner loop, so there is no parallel (chunked) form over time;
+the recurrence runs token by token. :func:`scan` runs it in blocks of ``SCAN_CHUNK`` tokens in the
+form of Eq. 3: inside a block a read is the block's starting A plus attention to the block's
+states so far, and A is formed once at the block's end, so training keeps an R×R matrix a block for
+backward, not a token. Its ~10 small ops a token (and twice as many backward) are bound by
+dispatch, so training on a CPU runs each block as one graph compiled by torch.compile (the same
+ops, fused; one compile per shape and hyper-parameters, then reused by every layer):
+docs/performance.md.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memzoo.layers.base import MemoryLayer, State, state_precision
+from memzoo.layers.base import Compiled, MemoryLayer, State, state_precision, trains_on_cpu
 from memzoo.registry import register_layer
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": torch.relu, "tanh": torch.tanh}
@@ -149,39 +150,49 @@ def scan(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The recurrence over the inputs cx [B, T, R] = C x̂ from (A, h): for each t, u = W h + cx_t,
     then :func:`fast_weight_step`. Returns (h_1..h_T [B, T, R], A_T, h_T). Tensors and constants
-    only (no module), so that one compiled graph serves every layer of the same shapes."""
+    only (no module), so that one compiled graph serves every layer of the same shapes.
+
+    Computed in blocks of SCAN_CHUNK tokens in the form of Eq. 3: within a block that starts from
+    A_0 the fast weights are never formed token by token; the read after t writes is
+
+        A(t) h = λ^t A_0 h + η Σ_{τ<t} λ^{t−1−τ} h_τ ⟨h_τ, h⟩
+
+    and A is formed once at the block's end, A_T = λ^T A_0 + η Σ_τ λ^{T−1−τ} h_τ h_τᵀ. The same
+    numbers as T steps of Eq. 1-2, without writing (and keeping for backward) an R×R matrix a token."""
     act = ACTIVATIONS[activation]
 
     def norm(u: Tensor) -> Tensor:
         return F.layer_norm(u, (u.shape[-1],), gain, bias, eps)
 
-    hs = []
-    for t in range(cx.shape[1]):
-        h, A = fast_weight_step(A, cx[:, t] + F.linear(h, W), decay=decay, eta=eta, inner_steps=inner_steps,
-                                norm=norm, act=act)
-        hs.append(h)
-    return (torch.stack(hs, dim=1) if hs else cx.new_zeros(cx.shape)), A, h
+    out = []
+    for s in range(0, cx.shape[1], SCAN_CHUNK):
+        n = min(SCAN_CHUNK, cx.shape[1] - s)
+        w = eta * decay ** torch.arange(n - 1, -1, -1, dtype=torch.float64)  # η λ^{n−1−τ}
+        w = w.to(cx.dtype).to(cx.device)
+        hs: list[Tensor] = []
+        for t in range(n):
+            H = torch.stack(hs, dim=1) if hs else None  # [B, t, R]: the block's states so far
+
+            def fast(q: Tensor, t=t, H=H) -> Tensor:  # A(t) q by Eq. 3
+                r = _attend(A, q) * decay**t
+                if H is not None:
+                    score = torch.bmm(H, q.unsqueeze(-1)).squeeze(-1) * w[n - t :]  # η λ^{t−1−τ} ⟨h_τ, q⟩
+                    r = r + torch.bmm(score.unsqueeze(1), H).squeeze(1)
+                return r
+
+            u = cx[:, s + t] + F.linear(h, W)
+            h = act(norm(u))
+            for _ in range(inner_steps):
+                h = act(norm(u + fast(h)))
+            hs.append(h)
+        H = torch.stack(hs, dim=1)
+        A = torch.baddbmm(A, (H * w[:, None]).transpose(1, 2), H, beta=decay**n)
+        out.append(H)
+    return (torch.cat(out, dim=1) if out else cx.new_zeros(cx.shape)), A, h
 
 
-#: tokens per compiled piece of the recurrence: 16 steps unrolled compile in well under a minute
 SCAN_CHUNK = 16
-_compiled_scan = None  # torch.compile(scan), built on first use; False once compiling failed
-
-
-def _scan_compiled(*args, **kw) -> tuple[Tensor, Tensor, Tensor] | None:
-    """`scan` of SCAN_CHUNK tokens compiled, or None where it cannot be (then the caller runs it
-    eager): compiling needs a C++ compiler, and a failure is warned of once."""
-    global _compiled_scan
-    if _compiled_scan is None:
-        _compiled_scan = torch.compile(scan, dynamic=False, fullgraph=True)
-    if _compiled_scan is False:
-        return None
-    try:
-        return _compiled_scan(*args, **kw)
-    except Exception as e:  # noqa: BLE001 (no compiler, an unsupported platform): eager is correct, only slower
-        _compiled_scan = False
-        warnings.warn(f"ba: the compiled recurrence failed ({type(e).__name__}: {e}); running it eager", stacklevel=2)
-        return None
+_compiled_scan = Compiled(scan, "ba: the recurrence")
 
 
 def _check_hparams(hidden_size: int, inner_steps: int, decay: float, eta: float, activation: str) -> None:
@@ -335,15 +346,13 @@ class BaFastWeights(MemoryLayer):
             c, cx = self.cell, cx.to(h.dtype)
             args = (c.W.to(h.dtype), c.norm.weight.to(h.dtype), c.norm.bias.to(h.dtype))
             kw = dict(decay=c.decay, eta=c.eta, inner_steps=c.inner_steps, activation=c.activation, eps=c.ln_eps)
-            # compiled in pieces when training on a CPU on sequences of several pieces (module docstring)
-            pieces, done = [], 0
-            if x.device.type == "cpu" and torch.is_grad_enabled() and T >= 4 * SCAN_CHUNK:
-                while done + SCAN_CHUNK <= T and (out := _scan_compiled(A, h, cx[:, done : done + SCAN_CHUNK], *args, **kw)):
-                    hs, A, h = out
-                    pieces.append(hs)
-                    done += SCAN_CHUNK
-            if done < T or not pieces:
-                hs, A, h = scan(A, h, cx[:, done:], *args, **kw)
+            # compiled in pieces when training on a CPU on sequences of several pieces (module docstring);
+            # split, not sliced: the backward of a slice writes into a zero tensor of the whole input
+            compiled = trains_on_cpu(x) and T >= 4 * SCAN_CHUNK
+            pieces = []
+            for part in cx.split(SCAN_CHUNK, dim=1) if compiled else (cx,):
+                out = _compiled_scan(A, h, part, *args, **kw) if compiled and part.shape[1] == SCAN_CHUNK else None
+                hs, A, h = out or scan(A, h, part, *args, **kw)
                 pieces.append(hs)
         return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0], {"A": A, "h": h}
 

@@ -71,8 +71,9 @@ improves recall) lives on the test side, in tests/conftest.py.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager, nullcontext
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -86,6 +87,38 @@ def state_precision(device: torch.device):
     if torch.amp.is_autocast_available(device.type):
         return torch.autocast(device.type, enabled=False)
     return nullcontext()
+
+class Compiled:
+    """`fn` compiled by torch.compile (static shapes, one graph) on first call: for a layer's loop
+    of small ops when training on a CPU, where eager ops are bound by dispatch (fused they ran
+    1.6-2.5x faster: docs/performance.md). Returns None where it cannot compile (no C++ compiler,
+    an unsupported platform); then it warns once and the caller runs `fn` eager: correct, slower.
+    Each new shape or option compiles another graph, up to `graphs` for the function."""
+
+    graphs = 64
+
+    def __init__(self, fn: Callable, what: str):
+        self.fn, self.what, self.compiled = fn, what, None
+
+    def __call__(self, *args, **kw):
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, dynamic=False, fullgraph=True)
+        if self.compiled is False:
+            return None
+        try:
+            with torch._dynamo.config.patch(recompile_limit=self.graphs):
+                return self.compiled(*args, **kw)
+        except Exception as e:  # noqa: BLE001 (eager is correct, only slower)
+            self.compiled = False
+            warnings.warn(f"{self.what}: compiling failed ({type(e).__name__}: {e}); running it eager", stacklevel=2)
+            return None
+
+
+def trains_on_cpu(x: Tensor) -> bool:
+    """Training (gradients on) on a CPU, outside an enclosing torch.compile: where a layer runs its
+    loop through :class:`Compiled`."""
+    return x.device.type == "cpu" and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
 
 State = dict[str, Tensor]
 

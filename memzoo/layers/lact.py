@@ -68,6 +68,12 @@ shares W_qkv with the attention; as a MemoryLayer beside the backbone's SWA, LaC
 W_qkv and W_o (4·D² parameters more per layer) and adds to the residual after the mixer
 (h = h + SWA(norm h); h = h + LaCT(norm h); h = h + FFN(norm h)).
 
+Cost: the chunks run in order, each a read and an update of some 30 ops on [B, H, C, d] tensors
+(and twice as many backward). At small chunks these are bound by dispatch, so training on a CPU
+(batches of ``COMPILE_TOKENS`` tokens or more, four chunks or more) runs each chunk's read and
+update (:func:`lact_chunk`) as one graph compiled by torch.compile: the same ops, fused; one
+compile per shape and options (docs/performance.md).
+
 Initialisation (modeling_lact.py ``_init_weights``): every slow linear layer N(0, 0.02²) with
 zero bias (the FwPKM authors' ``initializer_range``), qk scale 1 and offset 0; so at the start
 η ≈ η₀ = 1e-3, μ ≈ ½ and the output scale silu(≈0) ≈ 0. With ``use_muon`` each of G0, G1, G2
@@ -93,7 +99,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.backbone.ffn import RMSNorm
-from memzoo.layers.base import MemoryLayer, State, state_precision
+from memzoo.layers.base import Compiled, MemoryLayer, State, state_precision, trains_on_cpu
 from memzoo.ops.muon import newton_schulz5
 from memzoo.registry import register_layer
 from memzoo.storage import load_transposed
@@ -176,6 +182,23 @@ def lact_update(
         wn = w[wk] + G[wk]
         new_w[wk] = wn / (wn.norm(dim=-1, keepdim=True) + 1e-5) * n0
     return new_w, new_m
+
+
+def lact_chunk(
+    w: State, q: Tensor | None, k: Tensor, v: Tensor, lr: tuple[Tensor, Tensor, Tensor],
+    w_norms: tuple[Tensor, Tensor, Tensor], mu: Tensor | None, m: State | None, use_muon: bool,
+) -> tuple[Tensor | None, State, State | None]:
+    """One chunk of the causal forward: read f(q; W) at the fast weights so far (None without q),
+    then write the chunk (:func:`lact_update`, momentum rate μ̄ = the chunk's mean of mu [B, H, C]).
+    Tensors and constants only, so that one compiled graph serves every layer of the same shapes."""
+    o = swiglu_fast(q, w) if q is not None else None
+    new_w, new_m = lact_update(w, k, v, lr, w_norms, None if mu is None else mu.mean(-1), m, use_muon)
+    return o, new_w, new_m
+
+
+#: the chunk loop when training on a CPU (module docstring: Cost), on calls of this many tokens or more
+_compiled_chunk = Compiled(lact_chunk, "lact: the chunk update")
+COMPILE_TOKENS = 1024
 
 
 class LowRankInit(nn.Module):
@@ -373,72 +396,79 @@ class LaCT(MemoryLayer):
         return out
 
     @staticmethod
-    def _slice(p: dict, s: int, e: int) -> dict:
-        sl = lambda t: None if t is None else t[:, :, s:e]  # noqa: E731
-        return {"q": sl(p["q"]), "k": sl(p["k"]), "v": sl(p["v"]), "lr": tuple(sl(t) for t in p["lr"]),
-                "mu": sl(p["mu"]), "scale": sl(p["scale"])}
+    def _chunks(p: dict, C: int) -> list[dict]:
+        """p split along time into chunks of C positions (split, not slicing: its backward is one
+        concatenation, where a slice's writes its gradient into a zero tensor of the whole call)."""
+        sp = lambda t: [None] * math.ceil(p["q"].shape[2] / C) if t is None else t.split(C, dim=2)  # noqa: E731
+        lr = [sp(t) for t in p["lr"]]
+        return [{"q": q, "k": k, "v": v, "lr": tuple(r[i] for r in lr), "mu": mu, "scale": sc}
+                for i, (q, k, v, mu, sc) in enumerate(zip(*(sp(p[n]) for n in ("q", "k", "v", "mu", "scale"))))]
 
     # ---- read ------------------------------------------------------------------------------
-    def _read(self, p: dict, state: State, dtype: torch.dtype) -> Tensor:
-        """o = W_o [scale ⊙ RMSNorm(f(q; W))]_heads (layer:557-570)."""
+    def _fast_read(self, p: dict, state: State) -> Tensor:
+        """f(q; W) per head, [B, H, T, d], in the fast weights' dtype."""
         with state_precision(p["q"].device):
-            o = swiglu_fast(p["q"], state).to(dtype)  # [B, H, T, d]
-        o = self.ttt_norm(o)
-        if p["scale"] is not None:
-            o = o * p["scale"][..., None]
+            return swiglu_fast(p["q"], state)
+
+    def _output(self, o: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """y = W_o [scale ⊙ RMSNorm(o)]_heads (layer:557-570), o [B, H, T, d]: per position, so
+        applied once to the reads of all chunks."""
+        o = self.ttt_norm(o.to(dtype))
+        if scale is not None:
+            o = o * scale[..., None]
         B, H, T, d = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * d))
 
     def read_state(self, x: Tensor, state: State) -> Tensor:
         """f(q_t; W) at the current fast weights for every position of x; the state is unchanged."""
         state = self._fast(state)
-        return self._read(self.project(x, state), state, x.dtype)
+        p = self.project(x, state)
+        return self._output(self._fast_read(p, state), p["scale"], x.dtype)
 
     # ---- write -----------------------------------------------------------------------------
-    def _update(self, p: dict, state: State, norms) -> State:
-        """One chunk's update (lact_update) on the state; positions advance by the chunk."""
-        mu = p["mu"].mean(-1) if self.use_momentum else None  # μ̄ [B, H]
-        m = {k: state[k] for k in MOMENTUM_KEYS} if self.use_momentum else None
-        w = {k: state[k] for k in FAST_KEYS}
-        with state_precision(p["k"].device):  # in the fast weights' dtype, also under autocast
-            new_w, new_m = lact_update(w, p["k"], p["v"], p["lr"], norms, mu, m, self.use_muon)
-        new = dict(new_w)
-        if new_m is not None:
-            new.update(new_m)
-        if "pos" in state:
-            new["pos"] = state["pos"] + p["k"].shape[2]
-        # diagnostics, kept as tensors (no device sync here); stats() reads them
-        self._diag = {"lr/w0": p["lr"][0].detach().mean(), "lr/w1": p["lr"][1].detach().mean(),
-                      "lr/w2": p["lr"][2].detach().mean()}
-        if mu is not None:
-            self._diag["momentum/mean"] = mu.detach().mean()
-        return new
+    def _run(self, x: Tensor, state: State, with_output: bool) -> tuple[Tensor | None, State]:
+        """Per chunk of ``chunk_size`` tokens (a last partial chunk too): read with the fast weights
+        so far (`with_output`), then update (ttt:87, 139-200); the projections and the output map
+        run once for the whole call. Returns (y or None, the new state)."""
+        state = self._fast(state)
+        p = self.project(x, state)
+        if x.shape[1] == 0:
+            return (self._output(self._fast_read(p, state), p["scale"], x.dtype) if with_output else None), state
+        norms, C, os = self._row_norms(), self.chunk_size, []
+        chunks = self._chunks(p, C)
+        # compiled when training on a CPU on batches of several chunks (module docstring: Cost)
+        compiled = trains_on_cpu(x) and len(chunks) >= 4 and x.shape[0] * x.shape[1] >= COMPILE_TOKENS
+        for pc in chunks:
+            w = {k: state[k] for k in FAST_KEYS}
+            m = {k: state[k] for k in MOMENTUM_KEYS} if self.use_momentum else None
+            args = (w, pc["q"] if with_output else None, pc["k"], pc["v"], pc["lr"], norms, pc["mu"], m, self.use_muon)
+            with state_precision(x.device):  # in the fast weights' dtype, also under autocast
+                out = _compiled_chunk(*args) if compiled and pc["k"].shape[2] == C else None
+                o, new_w, new_m = out or lact_chunk(*args)
+            os.append(o)
+            state = {**state, **new_w, **(new_m or {})}
+            if "pos" in state:
+                state["pos"] = state["pos"] + pc["k"].shape[2]
+        self._note(chunks[-1])
+        return (self._output(torch.cat(os, dim=2), p["scale"], x.dtype) if with_output else None), state
+
+    def _note(self, p: dict) -> None:
+        """Diagnostics of the last chunk written, kept as tensors (no device sync); stats() reads them."""
+        self._diag = {f"lr/{k}": r.detach().mean() for k, r in zip(FAST_KEYS, p["lr"])}
+        if p["mu"] is not None:
+            self._diag["momentum/mean"] = p["mu"].detach().mean(-1).mean()
 
     def advance_state(self, state: State, n: int) -> State:
         return {**state, "pos": state["pos"] + n} if "pos" in state else state
 
     def write_state(self, x: Tensor, state: State) -> State:
         """Memorize x: one update per chunk of ``chunk_size`` tokens (a last partial chunk too)."""
-        state = self._fast(state)
-        p, norms, C = self.project(x, state), self._row_norms(), self.chunk_size
-        for s in range(0, x.shape[1], C):
-            state = self._update(self._slice(p, s, s + C), state, norms)
-        return state
+        return self._run(x, state, with_output=False)[1]
 
     # ---- causal mixing: apply, then update ---------------------------------------------------
     def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
-        """Per chunk: read with the fast weights so far, then update (ttt:87, 139-200); the
-        projections are computed once for the whole call."""
-        state = self._fast(state)
-        p, norms, C = self.project(x, state), self._row_norms(), self.chunk_size
-        ys = []
-        for s in range(0, x.shape[1], C):
-            pc = self._slice(p, s, s + C)
-            ys.append(self._read(pc, state, x.dtype))
-            state = self._update(pc, state, norms)
-        if not ys:
-            return self._read(p, state, x.dtype), state
-        return torch.cat(ys, dim=1), state
+        """Per chunk: read with the fast weights so far, then update."""
+        return self._run(x, state, with_output=True)
 
     # ---- diagnostics -----------------------------------------------------------------------
     @torch.no_grad()

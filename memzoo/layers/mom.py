@@ -334,8 +334,11 @@ class MoM(MemoryLayer):
         L = T if torch.compiler.is_compiling() or T == 0 else int(counts.max())
         pos = order[:, :L].transpose(1, 2)  # [B, M, L] positions (distinct per memory)
         valid = torch.arange(L, device=x.device) < counts[..., None]  # [B, M, L]
-        bidx = torch.arange(B, device=x.device)[:, None, None]
-        xg = x[bidx, pos]  # [B, M, L, D]
+        # flat row ids b·T + t: index_select and index_add gather and scatter (and are each other's
+        # backward), ~3x faster on a CPU than advanced indexing, whose backward is an index_put
+        rows = (pos + torch.arange(B, device=x.device)[:, None, None] * T).reshape(-1)  # [B·M·L]
+        gather = lambda u: u.reshape(B * T, *u.shape[2:]).index_select(0, rows).view(B, M, L, *u.shape[2:])  # noqa: E731
+        xg = gather(x)  # [B, M, L, D]
         W = torch.cat([self.k_proj, self.v_proj, self.b_proj, self.a_proj], dim=1)  # [M, out, D]
         proj = torch.einsum("bmld,mod->bmlo", xg, W).to(dt)
         kp, vp, b, a = proj.split([self.key_dim, self.value_dim, H, H], dim=-1)
@@ -350,7 +353,7 @@ class MoM(MemoryLayer):
             hidx = (counts[..., None] + torch.arange(c - 1, device=x.device))[..., None]  # [B, M, c-1, 1]
             new["conv_k"] = torch.cat([ck, kp], dim=2).gather(2, hidx.expand(-1, -1, -1, self.key_dim))
             new["conv_v"] = torch.cat([cv, vp], dim=2).gather(2, hidx.expand(-1, -1, -1, self.value_dim))
-        qg = q[bidx, pos] if with_output else k
+        qg = gather(q) if with_output else k
         flat = lambda u: u.flatten(0, 1)  # noqa: E731  [B, M, ...] -> [B*M, ...]
         o, S = gated_delta_rule(
             flat(qg), flat(k), flat(v), flat(g), flat(beta), scale=self.scale,
@@ -362,8 +365,7 @@ class MoM(MemoryLayer):
             o = o.unflatten(0, (B, M)).to(dt)  # [B, M, L, H, V]
             wg = weights.transpose(1, 2).gather(2, pos)  # [B, M, L]
             o = (o * wg[..., None, None]).where(valid[..., None, None], 0)  # padded slots add nothing
-            out = torch.zeros(B, T, H, self.head_v_dim, dtype=dt, device=x.device)
-            out = out.index_put((bidx.expand(-1, M, L), pos), o, accumulate=True)
+            out = o.new_zeros(B * T, H, self.head_v_dim).index_add(0, rows, o.flatten(0, 2)).view(B, T, H, self.head_v_dim)
 
         if self.shared_memory:  # the shared memory sees every token (Eq. 11-13)
             kp = self.shared_k(x).to(dt)

@@ -189,7 +189,7 @@ class PKM(MemoryLayer):
         self.out_proj = nn.Linear(value_dim, d_model, bias=True)
         self.reset_parameters()
 
-        self._usage: tuple[Tensor, Tensor] | None = None  # (hits, read mass) per slot, last read
+        self._usage: tuple[Tensor, Tensor] | None = None  # (slots, weights) of the last read; stats() counts them
 
     def reset_parameters(self) -> None:
         """The release's init (see the module docstring)."""
@@ -266,7 +266,7 @@ class PKM(MemoryLayer):
             v = F.embedding_bag(look.index.reshape(B * T, m), self.values,
                                 per_sample_weights=weights.reshape(B * T, m).to(self.values.dtype),
                                 mode="sum").reshape(B, T, self.value_dim)
-        self._record_usage(look.index, weights)
+        self._usage = (look.index.detach(), weights.detach())  # counted only when stats() asks
         if self.gate_proj is not None:
             v = v * F.silu(self.gate_proj(x))
         return self.out_proj(v)
@@ -282,21 +282,15 @@ class PKM(MemoryLayer):
 
     # ---- diagnostics ---------------------------------------------------------------------
     @torch.no_grad()
-    def _record_usage(self, index: Tensor, weights: Tensor) -> None:
-        idx = index.reshape(-1)
-        hits = torch.bincount(idx, minlength=self.n_slots)
-        mass = torch.zeros(self.n_slots, dtype=torch.float32, device=idx.device)
-        mass.index_add_(0, idx, weights.detach().reshape(-1).float())
-        self._usage = (hits, mass)
-
-    @torch.no_grad()
     def stats(self) -> dict:
         """Slot usage of the last forward/read: usage/slots (fraction of the N slots retrieved at
         least once), usage/slots_hit, usage/kl_uniform (KL(p || uniform) of the summed read
         weights p, Lample et al.; 0 = perfectly even), usage/reads (token × head × top-k reads)."""
         out = super().stats()
         if self._usage is not None:
-            hits, mass = self._usage
+            idx, w = (t.reshape(-1) for t in self._usage)
+            hits = torch.bincount(idx, minlength=self.n_slots)
+            mass = torch.zeros(self.n_slots, dtype=torch.float32, device=idx.device).index_add_(0, idx, w.float())
             n_hit = int((hits > 0).sum().item())
             out["usage/slots"] = n_hit / self.n_slots
             out["usage/slots_hit"] = n_hit

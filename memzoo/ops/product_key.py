@@ -41,15 +41,25 @@ def subkey_scores(q: Tensor, subkeys: Tensor, score: str = "dot", eps: float = 1
     return -torch.log(eps + d2.clamp(min=0))
 
 
+def candidate_pairs(k: int, device=None) -> Tensor:
+    """The cells (a, b) of the k × k candidate grid, as a · k + b, that can be among its top k:
+    with each half's scores sorted best first, cell (a, b) is beaten or tied by the (a+1)(b+1) − 1
+    cells (a' ≤ a, b' ≤ b) other than itself, so only cells with (a+1)(b+1) ≤ k can place (20 of 64
+    at k = 8; Σ_a ⌊k/(a+1)⌋ ~ k ln k of k²). The top k of these are the top k of the grid."""
+    return torch.tensor([a * k + b for a in range(k) for b in range(k) if (a + 1) * (b + 1) <= k], device=device)
+
+
 def product_topk(sub: Tensor, k: int) -> Lookup:
     """Top-k slots of the n × n grid from per-half scores `sub` [..., H, 2, n] (Eqs. 29-32)."""
     n = sub.shape[-1]
     if k > n:
         raise ValueError(f"top-k ({k}) cannot exceed the number of sub-keys per half ({n})")
-    s, i = sub.topk(k, dim=-1)  # [..., H, 2, k] (Eq. 29)
-    # k × k candidate grid: score(a, b) = s¹_a + s²_b (Eq. 31)
-    cand = s[..., 0, :, None] + s[..., 1, None, :]  # [..., H, k, k]
-    best, flat = cand.flatten(-2).topk(k, dim=-1)  # [..., H, k]
+    s, i = sub.topk(k, dim=-1)  # [..., H, 2, k] (Eq. 29), best first
+    # the k × k candidate grid, score(a, b) = s¹_a + s²_b (Eq. 31), at the cells that can place
+    cells = candidate_pairs(k, sub.device)
+    cand = s[..., 0, :].index_select(-1, cells // k) + s[..., 1, :].index_select(-1, cells % k)
+    best, j = cand.topk(k, dim=-1)  # [..., H, k]
+    flat = cells[j]
     row = i[..., 0, :].gather(-1, flat // k)
     col = i[..., 1, :].gather(-1, flat % k)
     return Lookup(best, row * n + col, s, i, flat)
