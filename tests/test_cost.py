@@ -19,6 +19,7 @@ from memzoo.backbone.model import HybridLM
 from memzoo.config import ModelConfig, load_config
 from memzoo.flops import TABLE2_BATCH, TABLE2_SEQ_LEN, count_flops, step_flops, table2_flops, table2_params
 from memzoo.ops.gated_delta_rule import gated_delta_rule_chunked
+from memzoo.timing import Timing
 
 TABLE2 = [b + t for b in ("gdn", "gdn-swa", "gdn-fa", "fa") for t in ("", "-pkm2-6-10", "-fwpkm2-6-10", "-pkm6-fwpkm2-10")]
 TINY = dict(vocab_size=50, d_model=32, n_layers=2, ffn_dim=64, attn_heads=4, attn_kv_heads=2, attn_head_dim=8,
@@ -249,6 +250,32 @@ def test_a_step_faster_than_the_measured_peak_is_an_error_not_an_mfu_above_one(m
                                 "gdn_heads": 2, "gdn_head_dim": 16})
     with pytest.raises(RuntimeError, match="exceed the matmul peak measured beside it"):
         cost.measure(mc, TrainConfig(), cost.Settings(batch=2, seq_len=16, warmup=0, steps=1), "cpu", 0, True)
+
+
+def test_a_layer_is_timed_in_rounds_paired_with_the_baseline(monkeypatch):
+    """On a CPU the layer's model and the baseline's take turns, round by round, and the row's ratio
+    to the baseline is against the baseline's steps of those rounds."""
+    from memzoo.bench.suites import cost
+    from memzoo.config import TrainConfig
+
+    order = []
+    real = cost.training_step
+
+    def traced(mc, *a, **kw):
+        step, name = real(mc, *a, **kw), "layer" if "linear" in mc.layout else "baseline"
+        return lambda: (order.append(name), step())[1]
+
+    monkeypatch.setattr(cost, "training_step", traced)
+    monkeypatch.setattr(cost, "time_fn", lambda fn, warmup, reps, device: (fn(), fn(), Timing((0.5, 0.5)))[2])
+    monkeypatch.setattr(cost, "matmul_peak", lambda device="cpu", repeats=5: 1e18)
+    base = ModelConfig.from_dict({"layout": "GDN", "vocab_size": 50, "d_model": 32, "n_layers": 2, "ffn_dim": 64,
+                                  "gdn_heads": 2, "gdn_head_dim": 16})
+    mc = ModelConfig.from_dict({**base.to_dict(), "layout": "GDN | linear@1"})
+    s = cost.Settings(batch=2, seq_len=16, warmup=1, steps=1, rounds=3)
+    m = cost.measure(mc, TrainConfig(), s, "cpu", 0, True, beside=(base, TrainConfig()))
+    assert order == ["layer", "baseline"] + ["layer", "layer", "baseline", "baseline"] * 3  # warm-up, then rounds in turn
+    assert m["timed_steps"] == 6 and m["step_s"] == m["baseline_step_s_beside"] == 0.5
+    assert m["baseline_flops_per_s_beside"] == pytest.approx(step_flops(base, 2, 16).total / 0.5)
 
 
 def test_the_bench_times_cost_rows_alone_before_any_worker(tmp_path):

@@ -12,6 +12,11 @@ train's own (`memzoo.train.make_step`) in the LM config's `train.precision` (aut
 on CUDA, as the paper trains, fp32 on CPU). At the paper preset throughput is measured on CUDA only (8 × 4096
 tokens of a 500 M-parameter model is no CPU job); on CPU the paper rows are counted only.
 
+On a CPU each layer's model is timed paired with the baseline's: `rounds` rounds of `steps` steps,
+the two models in turn, and its "× baseline's FLOP/s" is against the baseline's steps of those same
+rounds. A shared machine has slow phases of seconds; timed one after the other, one row took one
+and moved 25% between two runs, paired both models take it (docs/performance.md).
+
     memzoo bench --suite cost --layers fwpkm,mom,lact          # tiny: 8 × 256 tokens on this CPU
     memzoo bench --suite cost --preset paper                   # Table 2's 16 rows beside the paper
     memzoo bench --suite cost --preset paper --device cuda     # ... and measured at 8 × 4096
@@ -27,7 +32,7 @@ from pathlib import Path
 import torch
 
 from memzoo.bench.common import BASELINE, Context, device_name, lm_train_config, model_config, save_png
-from memzoo.timing import time_fn
+from memzoo.timing import Timing, time_fn
 from memzoo.train import resolve_precision
 
 NAME = "cost"
@@ -58,12 +63,15 @@ class Settings:
     batch: int = 8  # sequences per training step (Table 2: 8)
     seq_len: int = 256  # tokens per sequence (Table 2: 4096)
     warmup: int = 2  # untimed training steps before the timed ones
-    steps: int = 10  # about this many timed training steps (memzoo.timing.time_fn): their median, and spread
+    steps: int = 10  # about this many timed training steps a round (memzoo.timing.time_fn)
+    # on a CPU: rounds of `steps` steps, the layer's model and the baseline's in turn (paired, below);
+    # the row's figure is the median of all its timed steps, its spread their 10-90% range
+    rounds: int = 3
     cpu_throughput: bool = True  # time steps on CPU too (off for the paper preset: count only)
     configs: list = field(default_factory=list)  # shipped configs with `paper:` figures (Table 2's rows)
 
     def __post_init__(self):
-        for k in ("batch", "seq_len", "steps"):
+        for k in ("batch", "seq_len", "steps", "rounds"):
             if getattr(self, k) < 1:
                 raise ValueError(f"cost.{k} must be >= 1, got {getattr(self, k)}")
         if self.warmup < 0:
@@ -88,12 +96,9 @@ def matmul_peak(device: str = "cpu", repeats: int = 5) -> float:
     return best
 
 
-def time_training_step(mc, tc, batch: int, seq_len: int, device: str, warmup: int, steps: int,
-                       precision: str = "fp32", seed: int = 0) -> dict:
-    """Seconds per training step: memzoo train's step (`memzoo.train.make_step`: forward and
-    backward of the LM loss, gradient clipping, AdamW) of a fresh model on random tokens, the
-    mean of about `steps` steps after `warmup` untimed ones (`memzoo.timing.time_fn`); with the
-    peak memory on CUDA."""
+def training_step(mc, tc, batch: int, seq_len: int, device: str, precision: str = "fp32", seed: int = 0):
+    """memzoo train's step (`memzoo.train.make_step`: forward and backward of the LM loss, gradient
+    clipping, AdamW) of a fresh model on fixed random tokens, as a call with no arguments."""
     from memzoo.backbone.model import HybridLM
     from memzoo.train import make_step, param_groups
 
@@ -103,21 +108,47 @@ def time_training_step(mc, tc, batch: int, seq_len: int, device: str, warmup: in
     gen = torch.Generator().manual_seed(seed)
     x, y = (torch.randint(0, mc.vocab_size, (batch, seq_len), generator=gen).to(device) for _ in range(2))
     train_step = make_step(model, opt, tc.grad_clip, precision)
+    return lambda: train_step([(x, y)], tc.lr)
+
+
+def time_training_step(mc, tc, batch: int, seq_len: int, device: str, warmup: int, steps: int,
+                       precision: str = "fp32", seed: int = 0, rounds: int = 1, beside=None) -> dict:
+    """Seconds per training step (:func:`training_step`): the median of about `steps` timed steps
+    in each of `rounds` rounds after `warmup` untimed ones (`memzoo.timing.time_fn`), with their
+    10-90% spread; with the peak memory on CUDA. `beside`, a second model's (mc, tc): its steps
+    are timed in the same rounds, the two models in turn, so that a slow phase of the machine lands
+    on both (its median is returned as `beside_step_s`)."""
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    t = time_fn(lambda: train_step([(x, y)], tc.lr), warmup, steps, device)
-    out = {"step_s": t.median, "step_spread": (t.quantile(0.9) - t.quantile(0.1)) / t.median}
+    fns = [training_step(mc, tc, batch, seq_len, device, precision, seed)]
+    if beside is not None:
+        fns.append(training_step(*beside, batch, seq_len, device, precision, seed))
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, ts in zip(fns, times):
+            ts.extend(time_fn(fn, 1, steps, device).times)  # each round's first step untimed: the budget
+    t, out = Timing(tuple(times[0])), {}
+    out = {"step_s": t.median, "step_spread": (t.quantile(0.9) - t.quantile(0.1)) / t.median, "timed_steps": len(t.times)}
+    if beside is not None:
+        out["beside_step_s"] = Timing(tuple(times[1])).median
     if cuda:
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-        del model, opt, train_step
+        del fns
         torch.cuda.empty_cache()  # the next model starts from an empty cache
     return out
 
 
-def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper: dict | None = None) -> dict:
+def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper: dict | None = None,
+            beside=None) -> dict:
     """The metrics of one model: parameters, both FLOPs counts, throughput when `with_time`,
-    and the paper's figures beside ours when `paper` (a config's `paper:` section) is given."""
+    and the paper's figures beside ours when `paper` (a config's `paper:` section) is given.
+    `beside`: the baseline's (mc, tc), on a CPU timed in the same rounds as this model (paired:
+    the row's ratio to the baseline then holds whatever the machine did meanwhile); on CUDA
+    models are timed one at a time (two of the paper's do not fit beside each other)."""
     from memzoo.backbone.model import count_params
     from memzoo.flops import TABLE2_BATCH, TABLE2_SEQ_LEN, step_flops
 
@@ -125,7 +156,9 @@ def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper:
     m = {"params": count_params(mc), **fl.as_dict(), "step_shape": f"{s.batch}x{s.seq_len}", "tokens": fl.tokens}
     if with_time:
         try:
-            t = time_training_step(mc, tc, s.batch, s.seq_len, device, s.warmup, s.steps, resolve_precision(tc.precision, device), seed)
+            cpu = not device.startswith("cuda")
+            t = time_training_step(mc, tc, s.batch, s.seq_len, device, s.warmup, s.steps, resolve_precision(tc.precision, device),
+                                   seed, rounds=s.rounds if cpu else 1, beside=beside if cpu else None)
         except torch.OutOfMemoryError:
             t = None
         if t is None:  # recorded as such; the counts still stand
@@ -140,6 +173,7 @@ def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper:
             m.update(
                 step_s=t["step_s"],
                 step_spread=t["step_spread"],
+                timed_steps=t["timed_steps"],
                 threads=torch.get_num_threads(),
                 samples_per_s=s.batch / t["step_s"],
                 tokens_per_s=fl.tokens / t["step_s"],
@@ -150,6 +184,9 @@ def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper:
                 device=device_name(device),
                 precision=resolve_precision(tc.precision, device),
             )
+            if "beside_step_s" in t:  # the baseline, timed in the same rounds
+                m["baseline_step_s_beside"] = t["beside_step_s"]
+                m["baseline_flops_per_s_beside"] = step_flops(beside[0], s.batch, s.seq_len, seed=seed).total / t["beside_step_s"]
             if "peak_mem_gb" in t:
                 from memzoo.ops.gated_delta_rule import fla_unusable
 
@@ -195,7 +232,8 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
             mc, tc, setting, paper = model_config(ctx.preset, name), lm_train_config(ctx.preset), dict(shape), None
         else:
             mc, tc, setting, paper = rc.model, rc.train, {"config": name, **shape}, rc.paper
-        metrics = measure(mc, tc, s, ctx.device, ctx.seed, timed, paper)
+        beside = (model_config(ctx.preset, BASELINE), lm_train_config(ctx.preset)) if rc is None and name != BASELINE else None
+        metrics = measure(mc, tc, s, ctx.device, ctx.seed, timed, paper, beside)
         config = {"model": mc.to_dict(), "settings": dataclasses.asdict(s), "train": tc.to_dict(),
                   "device": ctx.device, "config": None if rc is None else name}
         rows.append(ctx.record(NAME, name, setting, metrics, config, time.time() - t0))
@@ -280,7 +318,9 @@ def _layers(df):
         if _col(df, "step_spread").notna().any():  # the timed steps' 10-90% range over their median
             t["step spread %"] = (100 * _col(df, "step_spread")).round(1)
         t[f"achieved {u}FLOP/s"] = (_col(df, "flops_per_s") / sc).round(2)
-        t[f"× baseline's {u}FLOP/s"] = (_col(df, "flops_per_s") / _col(df, "flops_per_s")[df["layer"] == BASELINE].max()).round(2)
+        # against the baseline timed in the same rounds where the row has it (paired), else its row
+        base = _col(df, "baseline_flops_per_s_beside").fillna(_col(df, "flops_per_s")[df["layer"] == BASELINE].max())
+        t[f"× baseline's {u}FLOP/s"] = (_col(df, "flops_per_s") / base).round(2)
         t[f"peak {u}FLOP/s"] = (_col(df, "peak_flops_per_s") / sc).round(1)
         t["MFU %"] = (100 * _col(df, "mfu")).round(2)
         t["device"] = _col(df, "device")
