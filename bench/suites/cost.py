@@ -131,7 +131,7 @@ def time_training_step(mc, tc, batch: int, seq_len: int, device: str, warmup: in
     for _ in range(rounds):
         for fn, ts in zip(fns, times):
             ts.extend(time_fn(fn, 1, steps, device).times)  # each round's first step untimed: the budget
-    t, out = Timing(tuple(times[0])), {}
+    t = Timing(tuple(times[0]))
     out = {"step_s": t.median, "step_spread": (t.quantile(0.9) - t.quantile(0.1)) / t.median, "timed_steps": len(t.times)}
     if beside is not None:
         out["beside_step_s"] = Timing(tuple(times[1])).median

@@ -191,6 +191,7 @@ def scan(
     return (torch.cat(out, dim=1) if out else cx.new_zeros(cx.shape)), A, h
 
 
+#: tokens per block of the scan and per compiled graph: 16 compile in well under a minute (32: no faster)
 SCAN_CHUNK = 16
 _compiled_scan = Compiled(scan, "ba: the recurrence")
 

@@ -397,8 +397,8 @@ class LaCT(MemoryLayer):
 
     @staticmethod
     def _chunks(p: dict, C: int) -> list[dict]:
-        """p split along time into chunks of C positions (split, not slicing: its backward is one
-        concatenation, where a slice's writes its gradient into a zero tensor of the whole call)."""
+        """p split along time into chunks of C positions (split, not sliced: the backward of a split
+        is one concatenation, that of each slice a zero tensor of the whole call written into)."""
         sp = lambda t: [None] * math.ceil(p["q"].shape[2] / C) if t is None else t.split(C, dim=2)  # noqa: E731
         lr = [sp(t) for t in p["lr"]]
         return [{"q": q, "k": k, "v": v, "lr": tuple(r[i] for r in lr), "mu": mu, "scale": sc}
