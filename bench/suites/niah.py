@@ -442,7 +442,8 @@ def tables(df) -> dict:
         {c: [digits.get((layer, c), "") for layer in order] for c in cols}, index=pd.Index(order, name="layer"))
     if "metrics.answer_nll" in df:
         t = df.pivot_table(index="layer", columns="col", values="metrics.answer_nll", aggfunc="first")
-        out["NIAH answer NLL (nats per answer token; chance 2.303), length x n-iter"] = t.reindex(index=order, columns=cols).round(3)
+        t = t.reindex(index=order, columns=cols).round(3)
+        out["NIAH answer NLL (nats per answer token; chance 2.303), length x n-iter"] = t.astype(object).where(t.notna(), "")
     per_len = df.sort_values("setting.n_iter").groupby(["layer", "setting.length"], as_index=False).first()
     cost = pd.DataFrame({
         "layer": per_len["layer"],

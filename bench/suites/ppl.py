@@ -380,7 +380,7 @@ def tables(df) -> dict:
             "LM train s": first["metrics.lm_train_wall_s"].round(1),
         }
     ).reindex(layer_order(first.index))
-    res["The shared LMs (trained once per layer for ppl and niah)"] = lm
+    res["The LMs (one per layer; niah evaluates them too unless its preset gives it LMs of its own, niah.lm)"] = lm
     return res
 
 
