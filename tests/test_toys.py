@@ -331,13 +331,21 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     for r in rows:
         m = r["metrics"]
         assert r["suite"] == "toys" and set(r["setting"]) == {"task", "d_model"}
-        assert 0.0 <= m["accuracy"] <= 1.0 and m["lr"] in MICRO["lrs"]
-        assert set(m["val_by_lr"]) == {"0.01", "0.03"} and m["val_accuracy"] == max(m["val_by_lr"].values())
+        assert 0.0 <= m["accuracy"] <= 1.0 and f"{m['lr']:g}" in m["val_by_lr"]
+        # the grid, and past its edge only where the lr chosen there left chance
+        assert {"0.01", "0.03"} <= set(m["val_by_lr"]) <= {"0.01", "0.03", "0.09", "0.27", "0.00333333", "0.00111111"}
+        assert m["val_accuracy"] == max(m["val_by_lr"].values())
+        if len(m["val_by_lr"]) > 2:
+            assert m["val_by_lr"]["0.03"] > 2 * m["chance"] or m["val_by_lr"]["0.01"] > 2 * m["chance"]
+        assert m["lr_chosen"] == (max(m["val_by_lr"].values()) > 2 * m["chance"])
+        assert len(m["history"]) == -(-m["steps"] // MICRO["eval_every"]) and m["history"][-1]["step"] == m["steps"]
+        assert m["sequences"] == m["steps"] * MICRO["batch_size"]
+        assert set(m["left_chance_at_by_lr"]) == set(m["val_by_lr"])
         kv = MICRO["mqar_kv"] if r["setting"]["task"] == "mqar" else MICRO["ar_pairs"]
         assert set(m["acc_by_kv"]) == {str(n) for n in kv}
         assert m["state_size"] == m["gdn_state"] + m["mem_state"] + m["kv_cache"]
-        assert 1 <= m["steps"] <= MICRO["max_steps"] and m["stop"] in ("solved", "plateau", "capped")
-        assert m["converged"] == (m["stop"] != "capped")
+        assert 1 <= m["steps"] <= MICRO["max_steps"] and m["stop"] in ("solved", "plateau", "chance", "capped")
+        assert m["converged"] == (m["stop"] in ("solved", "plateau"))
         assert m["compile_s"] > 0 and m["eval_s"] > 0 and m["compile_s"] + m["eval_s"] < r["wall_s"]  # parts of its wall time
     base = {(r["setting"]["task"], r["setting"]["d_model"]): r["metrics"] for r in rows if r["layer"] == BASELINE}
     assert base[("mqar", 16)]["gdn_state"] == 2 * 4 * 4 * 4  # 2 GDN layers x 4 heads x 4^2
@@ -389,12 +397,12 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     tabs = toys.tables(df)
     mq = tabs["MQAR test accuracy by key-value pairs"]
     assert list(mq["layer"]) == [BASELINE, BASELINE, "fwpkm", "fwpkm", *[c for c in toys.CONTROLS for _ in (16, 24)]]
-    assert {"kv=1", "kv=2", "mean", "steps (max)", "stop", "lr", "state", "seeds"} <= set(mq.columns)
+    assert {"kv=1", "kv=2", "mean", "budget (max)", "left chance at", "stop", "lr", "state", "seeds"} <= set(mq.columns)
     assert mq.loc[mq["layer"] == toys.POSITIVE, "kv=1"].str.startswith("1.000 ± 0.000").all()
     for t in tabs.values():
         assert t.to_markdown()
     paths = toys.figures(df, tmp_path / "a")
-    assert [p.name for p in paths] == ["toys_mqar_capacity.png", "toys_mqar_state.png"]
+    assert [p.name for p in paths] == ["toys_mqar_capacity.png", "toys_mqar_curves.png", "toys_mqar_state.png"]
     again = toys.figures(df.iloc[::-1], tmp_path / "b")  # row order does not change the bytes
     assert [p.read_bytes() for p in paths] == [p.read_bytes() for p in again]
 

@@ -78,7 +78,8 @@ from tqdm.auto import tqdm
 
 from memzoo.backbone.model import HybridLM
 from memzoo.bench.common import (
-    BASELINE, CONTROLS, NEGATIVE, POSITIVE, Context, check_backbone, check_variants, layer_order, mean_ci, model_config, save_png,
+    BASELINE, CONTROLS, NEGATIVE, POSITIVE, Context, check_backbone, check_variants, config_hash, layer_order, mean_ci,
+    model_config, save_png,
 )
 from memzoo.config import ConfigError, ModelConfig, TrainConfig
 from memzoo.data import assoc_retrieval as ar
@@ -140,6 +141,10 @@ class Settings:
     patience: int = 6  # evaluations without a gain of min_delta: plateau
     min_steps: int = 500  # no plateau stop before this step (the flat phase before MQAR is learned)
     min_delta: float = 0.005
+    # no plateau stop while the training loss still falls: its mean over the last patience * eval_every
+    # steps is more than this fraction below the mean over the steps before (a 1/n plateau whose loss falls
+    # is MQAR's flat phase, not a verdict)
+    loss_delta: float = 0.01
     target: float = 0.99  # validation accuracy that counts as solved
     solve_on: str = "mean"  # solved when the slices' mean reaches target ("mean") or each slice does ("every")
     batch_size: int = 32
@@ -152,6 +157,7 @@ class Settings:
     val_size: int = 256  # validation sequences per slice
     test_size: int = 512  # test sequences per slice
     controls: bool = True  # run the controls with the baseline
+    run_variants: bool = True  # a layer's variants run with it (false: only a variant named in --layers)
     # MQAR (zoology's multiquery_ar)
     mqar_vocab: int = 64
     mqar_seq_len: int = 32
@@ -183,8 +189,9 @@ class Settings:
                      "min_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"toys.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.target <= 1 or self.min_delta < 0:
-            raise ConfigError(f"toys.target must be in (0, 1] and min_delta >= 0, got {self.target}, {self.min_delta}")
+        if not 0 < self.target <= 1 or self.min_delta < 0 or self.loss_delta < 0:
+            raise ConfigError(f"toys.target must be in (0, 1], min_delta and loss_delta >= 0, got {self.target}, "
+                              f"{self.min_delta}, {self.loss_delta}")
         if self.solve_on not in ("mean", "every"):
             raise ConfigError(f"toys.solve_on must be 'mean' or 'every', got {self.solve_on!r}")
         if self.route not in ("hybrid", "memory"):
@@ -210,6 +217,8 @@ class Settings:
                 raise ConfigError(f"toys.{name}: unknown layer(s) {unknown}; valid: {', '.join(valid)}")
         if any(not lrs for lrs in self.layer_lrs.values()):
             raise ConfigError("toys.layer_lrs: every layer needs at least one learning rate")
+        if any(not isinstance(lr, (int, float)) or not 0 < lr < 1 for lr in [*self.lrs, *sum(self.layer_lrs.values(), [])]):
+            raise ConfigError(f"toys.lrs and layer_lrs must be numbers in (0, 1), got {self.lrs} {self.layer_lrs}")
         check_backbone(self.model, "toys.model")
 
     def candidates(self, layer: str) -> list[float]:
@@ -370,31 +379,60 @@ class Fit:
     model: HybridLM
     val: float  # best validation accuracy (mean over slices)
     steps: int  # training steps taken
-    stop: str  # solved | plateau | capped | diverged
+    stop: str  # solved | plateau | chance | capped | diverged
     train_loss: float  # mean of the last eval_every steps
     tokens_per_s: float  # training tokens over the time of the training steps alone (the first of each shape left out)
     compile_s: float = 0.0  # the first step of each input shape: compiles with `compile` (cold, or from the cache)
     eval_s: float = 0.0  # the validation evaluations
+    history: list = field(default_factory=list)  # one entry per evaluation: {step, sequences, val, by_slice, train_loss}
+
+
+#: seconds between a cell's checkpoints (`train_cell`)
+CHECKPOINT_EVERY_S = 60.0
+
+
+def falling(losses: list[float], s: Settings) -> bool:
+    """Whether the training loss still falls: the mean over the last ``patience * eval_every`` steps
+    is more than ``loss_delta`` (a fraction) below the mean over as many steps before them (or over
+    all before, early on)."""
+    w = min(s.patience * s.eval_every, len(losses) // 2)
+    if w == 0:
+        return True
+    last, before = sum(losses[-w:]) / w, sum(losses[-2 * w : -w]) / w
+    return last < before * (1 - s.loss_delta)
 
 
 def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, device: str = "cpu",
-               on_step=None) -> Fit:
+               on_step=None, checkpoint: Path | None = None) -> Fit:
     """Train one model from seed `seed` (the same initialisation and batches for every layer and
     lr) until it converges or hits the cap (module docstring); `on_step()` after each step.
-    The model returned holds the weights of its best validation score."""
+    The model returned holds the weights of its best validation score. With `checkpoint`, the
+    training state (weights, optimizer, data generator, history) is saved there at evaluations,
+    at most once a minute, and a training that finds it continues from it: a stopped cell
+    resumes where it stopped, with the same batches (the file is removed when the cell ends)."""
     torch.manual_seed(seed)
     model = HybridLM(mc).to(device)
     tc = TrainConfig(lr=lr, min_lr=lr * s.min_lr_ratio, warmup=s.warmup, steps=s.max_steps, weight_decay=s.weight_decay,
                      betas=(0.9, 0.98), grad_clip=s.grad_clip, precision=s.precision, compile=s.compile)  # Zoology's betas
     opt = torch.optim.AdamW(param_groups(model, tc), lr=lr, betas=tc.betas)
+    g = torch.Generator().manual_seed(seed)
+    best, best_state, stale, stop, start = -1.0, None, 0, "capped", 0
+    losses, history = [], []
+    if checkpoint is not None and checkpoint.is_file():
+        c = torch.load(checkpoint, map_location=device, weights_only=False)
+        model.load_state_dict(c["model"])
+        opt.load_state_dict(c["opt"])
+        g.set_state(c["generator"])
+        torch.set_rng_state(c["rng"])
+        best, best_state, stale, start, losses, history = (c[k] for k in ("best", "best_state", "stale", "step", "losses",
+                                                                         "history"))
     if s.compile:  # a new model: compile afresh (a worker's earlier cells would fill dynamo's per-function cache)
         torch._dynamo.reset()
     train_step = make_step(model, opt, tc.grad_clip, tc.precision, tc.compile)
-    g = torch.Generator().manual_seed(seed)
-    best, best_state, stale, stop = -1.0, None, 0, "capped"
-    losses, tokens, busy, first, evals, shapes = [], 0, 0.0, 0.0, 0.0, set()
+    tokens, busy, first, evals, shapes, saved = 0, 0.0, 0.0, 0.0, set(), time.monotonic()
     model.train()
-    for step in range(s.max_steps):
+    step = start - 1
+    for step in range(start, s.max_steps):
         x, y = (t.to(device) for t in task.batch(step, g))  # drawn on the CPU: the same data anywhere
         t0 = time.perf_counter()
         loss = train_step([(x, y)], lr_at(step, tc))
@@ -416,19 +454,41 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
         acc = evaluate(model, task.val, s.batch_size)
         evals += time.perf_counter() - t0
         val = sum(acc.values()) / len(acc)
+        tail = losses[-s.eval_every:]
+        history.append({"step": step + 1, "sequences": (step + 1) * s.batch_size, "val": round(val, 4), "by_slice": {str(n): round(a, 4) for n, a in acc.items()},
+                        "train_loss": round(sum(tail) / len(tail), 4)})
         stale = 0 if val >= best + s.min_delta else stale + 1
         if val > best:
             best, best_state = val, copy.deepcopy(model.state_dict())
         if solved(acc, s):
             stop = "solved"
             break
-        if stale >= s.patience and step + 1 >= s.min_steps:
-            stop = "plateau"
+        if step + 1 >= s.max_steps:
             break
+        if stale >= s.patience and step + 1 >= s.min_steps and not falling(losses, s):
+            stop = "chance" if best <= 2 * task.chance else "plateau"  # at chance: the flat phase may go on
+            break
+        if checkpoint is not None and time.monotonic() - saved > CHECKPOINT_EVERY_S:
+            from memzoo.storage import torch_save
+
+            torch_save({"model": model.state_dict(), "opt": opt.state_dict(), "generator": g.get_state(),
+                        "rng": torch.get_rng_state(), "best": best,
+                         "best_state": best_state, "stale": stale, "step": step + 1, "losses": losses,
+                         "history": history}, checkpoint)
+            saved = time.monotonic()
+    if checkpoint is not None:
+        checkpoint.unlink(missing_ok=True)
     if best_state is not None:
         model.load_state_dict(best_state)
     tail = losses[-s.eval_every:]
-    return Fit(model, max(best, 0.0), step + 1, stop, sum(tail) / len(tail), tokens / max(busy, 1e-9), first, evals)
+    return Fit(model, max(best, 0.0), step + 1, stop, sum(tail) / len(tail), tokens / max(busy, 1e-9), first, evals,
+               history)
+
+
+def left_chance_at(history: list[dict], chance: float) -> int | None:
+    """Sequences trained before the first evaluation whose validation accuracy (the slices' mean)
+    is above twice chance; None if none is."""
+    return next((h["sequences"] for h in history if h["val"] > 2 * chance), None)
 
 
 def solved(acc: dict[int, float], s: Settings) -> bool:
@@ -442,13 +502,15 @@ def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
             if task == "mqar" else {"pairs": s.ar_pairs})
     if task == "mqar" and s.mqar_gap:  # left out at 0: the rows recorded before the option keep their hashes
         data["gap"] = s.mqar_gap
-    keep = ("max_steps", "min_steps", "eval_every", "patience", "min_delta", "target", "batch_size", "warmup", "min_lr_ratio",
-            "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size")
+    keep = ("max_steps", "min_steps", "eval_every", "patience", "min_delta", "loss_delta", "target", "batch_size", "warmup",
+            "min_lr_ratio", "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size")
     train = {k: getattr(s, k) for k in keep}
     if s.solve_on != "mean":  # the default is left out: the rows recorded before the option keep their hashes
         train["solve_on"] = s.solve_on
     config = {"model": mc.to_dict(), "task": task, "data": data, "lrs": s.candidates(layer), "train": train,
-              "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 2}
+              "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 3,
+              # 3: no plateau stop while the loss falls; an lr chosen at the grid's edge tries the next beyond it
+              "lr_beyond_edge": MAX_BEYOND}
     if any(get_layer(name).needs_targets for name in mc.memory):  # FWL's losses against the next tokens, not the
         config["memory_targets"] = "next"  # task's labels (HybridLM.forward): rows from before have another hash
     return config
@@ -465,11 +527,11 @@ def cell_key(ctx: Context, s: Settings, name: str, task: str, width: int, seed: 
 
 
 def cells(layer: str, s: Settings) -> list[str]:
-    """The models one layer's run trains: the layer and its variants, and with the baseline the
-    controls; a variant named alone (``--layers fwpkm/token``), only itself."""
+    """The models one layer's run trains: the layer and its variants (unless ``run_variants`` is
+    off), and with the baseline the controls; a variant named alone (``--layers fwpkm/token``), only itself."""
     if layer in s.variants:
         return [layer]
-    variants = sorted(n for n, v in s.variants.items() if v["layer"] == layer)
+    variants = sorted(n for n, v in s.variants.items() if v["layer"] == layer) if s.run_variants else []
     return [layer, *variants, *(CONTROLS if layer == BASELINE and s.controls else ())]
 
 
@@ -530,32 +592,76 @@ def run(ctx: Context, layers: list[str], only: list[tuple] | None = None) -> lis
     return rows
 
 
+def lr_grid(fits: dict) -> tuple[float, bool]:
+    """(the lr chosen on validation, whether it lies at an edge of the lrs tried): the best
+    validation score (ties: the first tried); an edge is the smallest or largest lr tried."""
+    lr = max(fits, key=lambda k: fits[k].val)
+    return lr, lr in (min(fits), max(fits))
+
+
+def beyond(lr: float, fits: dict) -> float:
+    """The next lr past the edge `lr` of the grid: a third of the smallest, or three times the largest."""
+    return lr / 3 if lr == min(fits) else lr * 3
+
+
+#: how many lrs past an edge a cell tries before it records its choice at the edge
+MAX_BEYOND = 2
+
+
 def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, setting: dict, s: Settings,
           seed: int) -> dict:
+    """Every lr of the grid, then, while the chosen lr lies at an edge of the lrs tried and left
+    chance, the next lr past it (at most MAX_BEYOND): an lr chosen at the grid's edge may have a better
+    one beyond it. A cell at chance at every lr chooses none (`lr` is the best of noise) and is not
+    extended. Checkpoints under the work dir make a stopped cell continue (`train_cell`)."""
     t0 = time.perf_counter()
     fits = {}
-    for lr in s.candidates(layer):
+    ckpt_dir = ctx.work_dir / "cells"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+
+    def fit_at(lr: float) -> Fit:
         doing = f"toys {layer} {task.name} d={width} seed {seed} lr={lr:g}"
-        fits[lr] = fit = train_cell(mc, task, lr, s, seed, ctx.device, lambda d=doing: ctx.advance(1, d))
+        ckpt = ckpt_dir / f"{config_hash(config)}-{layer.replace('/', '_').replace(':', '_')}-s{seed}-lr{lr:g}.pt"
+        fit = train_cell(mc, task, lr, s, seed, ctx.device, lambda d=doing: ctx.advance(1, d), ckpt)
         ctx.advance(s.max_steps - fit.steps, doing)  # the steps an early stop saved
-    lr = max(fits, key=lambda k: fits[k].val)  # ties: the first candidate
+        return fit
+
+    for lr in s.candidates(layer):
+        fits[lr] = fit_at(lr)
+    lr, edge = lr_grid(fits)
+    extra = 0
+    while edge and len(fits) > 1 and fits[lr].val > 2 * task.chance and extra < MAX_BEYOND:
+        nxt = round(beyond(lr, fits), 12)
+        fits[nxt] = fit_at(nxt)
+        extra += 1
+        lr, edge = lr_grid(fits)
     fit = fits[lr]
+    at_chance = all(f.val <= 2 * task.chance for f in fits.values())
     t_test = time.perf_counter()
     acc = evaluate(fit.model, task.test, s.batch_size)
     t_test = time.perf_counter() - t_test
     x, y = task.test[task.slices[0]]
     with torch.no_grad():  # a forward, so that every memory holds its state
         fit.model.eval()(x[:2].to(ctx.device), targets=y[:2].to(ctx.device))
+    left = {f"{k:g}": left_chance_at(f.history, task.chance) for k, f in fits.items()}
     metrics = {
         "accuracy": round(sum(acc.values()) / len(acc), 4),
         "acc_by_kv": {str(n): round(a, 4) for n, a in acc.items()},
         "val_accuracy": round(fit.val, 4),
         "lr": lr,
-        "val_by_lr": {f"{k:g}": round(f.val, 4) for k, f in fits.items()},
+        "lr_chosen": not at_chance,  # at chance at every lr: no lr is chosen (the best of noise is kept)
+        "lr_at_edge": edge and not at_chance,
+        "val_by_lr": {f"{k:g}": round(f.val, 4) for k, f in sorted(fits.items())},
         "steps": fit.steps,
+        "sequences": fit.steps * s.batch_size,  # the budget the chosen lr's training used
+        "left_chance_at": left[f"{lr:g}"],  # sequences trained before validation first left chance (None: never)
+        "left_chance_at_by_lr": dict(sorted(left.items(), key=lambda kv: float(kv[0]))),
         "stop": fit.stop,
         "converged": fit.stop in ("solved", "plateau"),
         "train_loss": round(fit.train_loss, 4),
+        # the chosen lr's validation curve; the others' means (the learning-curve figure, "left chance at")
+        "history": fit.history,
+        "val_history_by_lr": {f"{k:g}": [h["val"] for h in f.history] for k, f in sorted(fits.items())},
         "tokens_per_s": round(fit.tokens_per_s),
         # where the cell's wall time went (every lr candidate's training): the first step of each
         # input shape (compiles, with `compile`) and the evaluations (validation and test)
@@ -567,8 +673,10 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
     }
     row = ctx.record(NAME, layer, setting, metrics, config, time.perf_counter() - t0, seed=seed)
     if ctx.progress:
+        left_at = metrics["left_chance_at"]
         tqdm.write(f"toys {layer:>14} {task.name:>4} d={width:<4} seed {seed}: test {metrics['accuracy']:.3f} "
-                   f"(val {fit.val:.3f}, lr {lr:g}, {fit.steps} steps, {fit.stop})")
+                   f"(val {fit.val:.3f}, lr {lr:g}, {fit.steps} steps, {fit.stop}; "
+                   + (f"left chance at {left_at} sequences)" if left_at else f"at chance through {fit.steps * s.batch_size} sequences)"))
     return row
 
 
@@ -647,13 +755,74 @@ def _task_table(df, task: str, slice_name: str):
             rec["mean"] = _fmt(list(g["metrics.accuracy"]), ref("metrics.accuracy"))
             # seeds whose mean leaves chance (twice chance): a wide interval from seeds that split shows here
             rec["left chance"] = f"{int((g['metrics.accuracy'] > 2 * g['metrics.chance']).sum())}/{len(g)}"
-            rec["steps (max)"] = f"{int(g['metrics.steps'].median())} ({int(g['metrics.steps'].max())})"
+            if "metrics.sequences" in g and g["metrics.sequences"].notna().all():
+                rec["left chance at"] = _left_at(g)
+                rec["budget (max)"] = f"{_count(g['metrics.sequences'].median())} ({_count(g['metrics.sequences'].max())})"
+            else:  # rows of protocol 2 and before kept no validation history
+                rec["left chance at"] = ""
+                rec["budget (max)"] = (f"{_count(g['metrics.steps'].median() * _batch(g))} "
+                                       f"({_count(g['metrics.steps'].max() * _batch(g))})")
             stops = g["metrics.stop"].value_counts()
             rec["stop"] = ", ".join(f"{n} {k}" for k, n in sorted(stops.items()))
-            rec["lr"] = ", ".join(sorted({f"{v:g}" for v in g["metrics.lr"]}))
+            rec["lr"] = _lrs(g)
+            if "metrics.left_chance_at_by_lr" in g or any(c.startswith("metrics.left_chance_at_by_lr.") for c in g):
+                rec["val by lr (left chance at)"] = _by_lr(g)
             rec["state"] = int(g["metrics.state_size"].iloc[0])
             recs.append(rec)
     return pd.DataFrame(recs)
+
+
+def _count(n) -> str:
+    """A number of sequences, short: 640 / 12.8k / 1.28M."""
+    n = float(n)
+    for unit, div in (("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def _batch(g) -> int:
+    """The training batch of a group's rows (from their config)."""
+    return int(g["config.train.batch_size"].iloc[0]) if "config.train.batch_size" in g else 0
+
+
+def _left_at(g) -> str:
+    """When a layer's seeds first left chance on validation, in sequences trained (the median of
+    those that did, and how many did); a layer that never did is "at chance through" its budget."""
+    at = g["metrics.left_chance_at"].dropna() if "metrics.left_chance_at" in g else []
+    if len(at) == 0:
+        return f"at chance through {_count(g['metrics.sequences'].max())}"
+    return _count(at.median()) + ("" if len(at) == len(g) else f" ({len(at)}/{len(g)} seeds)")
+
+
+def _lrs(g) -> str:
+    """The lrs chosen on validation; "none (at chance)" for a seed at chance at every lr, "(edge)"
+    for an lr chosen at the edge of the lrs tried."""
+    out = []
+    def flag(r, key) -> bool | None:
+        v = r.get(key)
+        return None if v is None or v != v else bool(v)  # absent, NaN (rows of protocol 2): None
+
+    for _, r in g.iterrows():
+        if flag(r, "metrics.lr_chosen") is False:
+            out.append("none (at chance)")
+        else:
+            out.append(f"{r['metrics.lr']:g}" + (" (edge)" if flag(r, "metrics.lr_at_edge") else ""))
+    return ", ".join(sorted(set(out)))
+
+
+def _by_lr(g) -> str:
+    """Each lr tried: its validation accuracy (mean over seeds) and, if it left chance, when (median)."""
+    lrs = sorted(float(c[len("metrics.val_by_lr."):]) for c in g.columns
+                 if c.startswith("metrics.val_by_lr.") and g[c].notna().any())
+    parts = []
+    for lr in lrs:
+        k = f"{lr:g}"
+        val = g[f"metrics.val_by_lr.{k}"].dropna()
+        at = g.get(f"metrics.left_chance_at_by_lr.{k}")
+        at = at.dropna() if at is not None else []
+        parts.append(f"{k}: {val.mean():.3f}" + (f" @ {_count(at.median())}" if len(at) else ""))
+    return "; ".join(parts)
 
 
 TITLES = {"mqar": ("MQAR test accuracy by key-value pairs", "kv"),
@@ -724,13 +893,44 @@ def _within_unit(stats) -> list[list[float]]:
     return [[min(h, m) for m, h in stats], [min(h, 1 - m) for m, h in stats]]
 
 
+def _curves(m, order, palette, widths, path: Path) -> Path:
+    """Validation accuracy (the slices' mean) against sequences trained, log x: a line per seed of
+    each model (its chosen lr's training), twice chance dotted; a panel per width."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(widths), figsize=(4.8 * len(widths) + 1.4, 4), sharey=True, squeeze=False)
+    for ax, w in zip(axes[0], widths):
+        chance = None
+        for layer in order:
+            g = m[(m["layer"] == layer) & (m["setting.d_model"] == w)].sort_values("seed")
+            label = layer
+            for _, r in g.iterrows():
+                hist = r["metrics.history"]
+                if not isinstance(hist, list) or not hist:
+                    continue
+                ax.plot([h["sequences"] for h in hist], [h["val"] for h in hist], color=palette[layer], lw=1, alpha=0.8,
+                        linestyle="--" if layer in CONTROLS else "-", label=label)
+                label, chance = None, r["metrics.chance"]
+        if chance is not None:
+            ax.axhline(2 * chance, color="grey", lw=0.6, ls=":")
+        ax.set_xscale("log")
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("sequences trained (log scale)")
+        ax.set_title(f"MQAR validation, d_model={w}")
+    axes[0][0].set_ylabel("validation accuracy (mean over kv; a line per seed)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.tight_layout()
+    return save_png(fig, path)
+
+
 def figures(df, out_dir: Path) -> list[Path]:
     """toys_mqar_capacity.png: MQAR test accuracy against kv pairs, a line per model with its
     95% interval (cut at 0 and 1) and a cross per seed, a panel per width. toys_mqar_state.png:
     mean accuracy against the recurrent state per sequence (a point per width, a dotted line
     through a layer's size variants such as ``fwpkm/token`` and ``fwpkm/token-small``; the
     attention control's state is its KV cache; a model without state, ctrl:none, has no place on
-    its log axis). A task whose controls fail is not drawn, nor a layer with fewer seeds than the baseline."""
+    its log axis). toys_mqar_curves.png: the learning curves (`_curves`), where the rows keep them. A
+task whose controls fail is not drawn, nor a layer with fewer seeds than the baseline."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -771,6 +971,9 @@ def figures(df, out_dir: Path) -> list[Path]:
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))  # outside: no point hidden
     fig.tight_layout()
     paths.append(save_png(fig, Path(out_dir) / "toys_mqar_capacity.png"))
+
+    if "metrics.history" in m and m["metrics.history"].notna().any():
+        paths.append(_curves(m, order, palette, widths, Path(out_dir) / "toys_mqar_curves.png"))
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for layer in order:
