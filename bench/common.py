@@ -80,6 +80,16 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in (config_dir() / "bench").glob("*.yaml") if not p.name.startswith("_"))
 
 
+def preset_summaries() -> dict[str, str]:
+    """Each shipped preset's name and its one-line summary: the first line of its file,
+    ``# <name>: <what it is for>``."""
+    out = {}
+    for name in preset_names():
+        first = (config_dir() / "bench" / f"{name}.yaml").read_text().split("\n", 1)[0]
+        out[name] = first.removeprefix(f"# {name}:").strip() if first.startswith(f"# {name}:") else ""
+    return out
+
+
 def load_preset(name: str) -> Preset:
     """A shipped preset by name ("tiny", "paper") or a YAML file path."""
     path = Path(name)
@@ -87,7 +97,7 @@ def load_preset(name: str) -> Preset:
         path = config_dir() / "bench" / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"no bench preset {name!r}; shipped presets: {', '.join(preset_names())}, or give a YAML path")
-    data, bases = read_config(path, ("model", "layers", "train", "run", *SUITES))
+    data, bases = read_config(path, ("model", "layers", "train", "run", *SUITES), shipped=config_dir() / "bench")
     try:  # check the backbone, the layers and the LM now, not at the first model
         backbone = ModelConfig.from_dict(data.get("model"), "model")
         TrainConfig.from_dict(data.get("train"), "train")

@@ -322,7 +322,11 @@ def run_bench(
     bar.close()
     failed = [r for r in rec.rows if r["suite"] == "failed"]
     print(f"\nmemzoo bench: {len(rec.rows) - len(failed)} rows in {time.time() - t0:.0f} s -> {rec.path}\n")
-    print_tables(_with_recorded(rec, names, todo) if resume else rec.rows)
+    shown = _with_recorded(rec, names, todo) if resume else rec.rows
+    print_tables(shown)
+    for s in todo:  # what a suite says of its rows beside the published ones (toys: what a short budget can show)
+        if lines := getattr(suite(s), "notes", lambda rows, published: [])(shown, read_results(rec.path)):
+            print("\n".join(lines) + "\n")
     for r in failed:
         print(f"memzoo bench: FAILED {r['setting']['suite']} {r['layer']} {' '.join(map(str, r['setting']['part'] or []))}: "
               f"{r['metrics']['error']} (traceback: {r['metrics']['log']})", file=sys.stderr)

@@ -107,11 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("configs", nargs="+", help="config files, shipped names (paper/gdn) or directories (paper)")
     q.set_defaults(fn=cmd_params)
 
-    b = sub.add_parser("bench", help="compare memory layers (and the plain backbone) on one backbone, data and budget")
+    from memzoo.bench.common import preset_summaries
+
+    presets = "\n".join(f"  {n:<11} {d}" for n, d in preset_summaries().items())
+    b = sub.add_parser("bench", help="compare memory layers (and the plain backbone) on one backbone, data and budget",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=f"shipped presets (zoo_configs/bench/; a preset file of yours may say `base: NAME`):\n{presets}")
     b.add_argument("--layers", default="", help="comma-separated layer names (a toys or niah variant alone as layer/variant, e.g. fwpkm/token), or 'all'; the baseline is always included")
     b.add_argument("--suite", default="", help="comma-separated, of: " + ", ".join(SUITE_NAMES) + " or all (default: the preset's run.suites, else all)")
-    b.add_argument("--preset", default="tiny", help="tiny (CPU minutes), paper, or a preset YAML file")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--preset", default="tiny", help="a shipped preset's name (listed below) or a preset YAML file")
+    b.add_argument("--seed", type=int, default=0, help="the first seed: models and data of seed N, N+1, ... (a preset's "
+                                                      "toys.seeds of them); the LM suites train one LM per seed")
     b.add_argument("--out", default="leaderboards", help="rows are appended to OUT/results.jsonl")
     b.add_argument("--work-dir", help="cache of trained LMs (default runs/bench/<preset>)")
     b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (cuda if available)")
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(fn=cmd_bench)
 
     lb = sub.add_parser("leaderboard", help="render OUT/README.md and figures from OUT/results.jsonl")
-    lb.add_argument("--out", default="leaderboards")
+    lb.add_argument("--out", default="leaderboards", help="the folder of results.jsonl, where README.md and figures/ are written")
     lb.set_defaults(fn=cmd_leaderboard)
 
     i = sub.add_parser("inspect", help="per memory layer: gate values per token and the retrieval trace of a read")
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--text", help="the text to read")
     i.add_argument("--file", help="read the text from this file")
     i.add_argument("--top", type=int, default=4, help="slots shown per traced position")
-    i.add_argument("--max-tokens", type=int, default=4096)
+    i.add_argument("--max-tokens", type=int, default=4096, help="read at most this many tokens of the text")
     i.set_defaults(fn=cmd_inspect)
 
     args = p.parse_args(argv)

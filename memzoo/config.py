@@ -339,22 +339,29 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def read_config(path: Path, sections: tuple[str, ...], _seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path]]:
+def read_config(path: Path, sections: tuple[str, ...], _seen: tuple[Path, ...] = (),
+                shipped: Path | None = None) -> tuple[dict, list[Path]]:
     """The sections of YAML file `path` merged over those of its `base:` (and its base's...),
-    and the base files used, nearest first. A missing base or a cycle is one ConfigError line."""
+    and the base files used, nearest first. A base is a file beside `path`, else one of the
+    `shipped` folder's (a user's preset anywhere may say ``base: recall``). A missing base or a
+    cycle is one ConfigError line."""
     data = read_yaml(path, (*sections, "base"))
     if "base" not in data:
         return data, []
     name = data.pop("base")
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f"{path}: base must be the name of a YAML file beside it (e.g. _base), got {name!r}")
-    base = path.parent / (name if name.endswith(".yaml") else f"{name}.yaml")
+    file = name if name.endswith(".yaml") else f"{name}.yaml"
+    base = path.parent / file
+    if not base.is_file() and shipped is not None and (shipped / file).is_file():
+        base = shipped / file
     seen = (*_seen, path.resolve())
     if base.resolve() in seen:
         raise ConfigError(f"{path}: base cycle: {' -> '.join(q.name for q in (*seen, base))}")
     if not base.is_file():
-        raise ConfigError(f"{path}: base {name!r}: no such file {base}")
-    under, bases = read_config(base, sections, seen)
+        where = f" beside it or among the shipped ones in {shipped}" if shipped is not None else ""
+        raise ConfigError(f"{path}: base {name!r}: no such file {base}{where}")
+    under, bases = read_config(base, sections, seen, shipped)
     for k, v in under.items():
         if v is not None and not isinstance(v, dict):
             raise ConfigError(f"{base}: {k}: expected a mapping, got {type(v).__name__}")

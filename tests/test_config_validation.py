@@ -3,6 +3,7 @@ key (and, for YAML syntax, the file and line), before any data is prepared or mo
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,33 @@ def test_preset_may_have_a_base(tmp_path):
     assert p.backbone == mc and p.lm == {"steps": 3, "seed": 1} and list(p.layers) == ["linear"]
 
 
+def test_a_preset_anywhere_may_build_on_a_shipped_one(tmp_path):
+    """A user's preset outside the project says `base: recall` and gets the shipped preset (and
+    its own bases), with its changes over them; a file beside it of the same name comes first."""
+    from memzoo.bench.suites import toys
+
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "few.yaml").write_text("base: recall\ntoys: {seeds: 1}\n")
+    p, shipped = load_preset(str(user / "few.yaml")), load_preset("recall")
+    assert p.settings("toys", toys.Settings) == dataclasses.replace(shipped.settings("toys", toys.Settings), seeds=1)
+    assert p.backbone == shipped.backbone and p.lm == shipped.lm
+    (user / "recall.yaml").write_text("base: tiny\ntoys: {seeds: 5}\n")  # beside it: its own recall
+    assert load_preset(str(user / "few.yaml")).settings("toys", toys.Settings).widths == [64]
+    (user / "bad.yaml").write_text("base: recal\n")
+    with pytest.raises(ConfigError, match="base 'recal': no such file .* among the shipped ones"):
+        load_preset(str(user / "bad.yaml"))
+
+
+def test_every_shipped_preset_says_what_it_is_for():
+    from memzoo.bench.common import preset_summaries
+    from memzoo.cli import main
+
+    assert set(preset_summaries()) == set(preset_names()) and all(preset_summaries().values())
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+
+
 def test_bases_are_not_listed(tmp_path):
     _files(tmp_path, _base=BASE, a="base: _base\n")
     assert _expand([str(tmp_path)]) == [str(tmp_path / "a.yaml")]
@@ -228,7 +256,7 @@ def test_bases_are_not_listed(tmp_path):
     with pytest.raises(ConfigError) as e:
         resolve_config_path("paper/nope")
     assert "paper/gdn" in str(e.value) and "_base" not in str(e.value)
-    assert preset_names() == ["capacity", "paper", "recall", "standard", "tiny"]
+    assert preset_names() == ["capacity", "paper", "recall", "recall-10x", "standard", "tiny"]
 
 
 def test_shipped_configs_state_only_what_differs_from_their_base():

@@ -625,3 +625,94 @@ def test_a_variant_with_widths_of_its_own_trains_only_at_them(tmp_path):
     assert sorted({(m, w) for m, _, w, _ in plan}) == [("fwl", 64), ("fwl/narrow", 8), ("fwl/narrow", 16)]
     assert len(plan) == len(s.tasks) * 2 * 3  # two seeds of each
     assert toys.work(ctx, "fwl") == len(s.tasks) * s.seeds * s.max_steps * len(s.lrs) * 3
+
+
+# ---- protocol 3: the stopping rule, the lr grid's edges, learning curves, resumable cells ------
+
+
+def test_a_falling_loss_is_no_plateau_by_hand():
+    """patience 2 x eval_every 5 = windows of 10 steps: a loss 2% lower than the 10 steps before
+    still falls (loss_delta 1%), 0.5% lower does not; early on, half the steps against the other half."""
+    s = toys.Settings(patience=2, eval_every=5, loss_delta=0.01)
+    assert toys.falling([2.0] * 10 + [1.96] * 10, s)
+    assert not toys.falling([2.0] * 10 + [1.99] * 10, s)
+    assert not toys.falling([3.0] * 5 + [2.0] * 10 + [2.0] * 10, s)  # only the last 20 steps count
+    assert toys.falling([2.0] * 3 + [1.9] * 3, s)  # 6 steps: 3 against 3
+    assert toys.falling([], s)  # nothing to judge: it may still fall
+
+
+def test_left_chance_at_is_the_first_evaluation_above_twice_chance():
+    hist = [{"step": 100, "sequences": 3200, "val": 0.03}, {"step": 200, "sequences": 6400, "val": 0.07},
+            {"step": 300, "sequences": 9600, "val": 0.5}]
+    assert toys.left_chance_at(hist, 0.031) == 6400  # 0.07 > 0.062
+    assert toys.left_chance_at(hist, 0.04) == 9600
+    assert toys.left_chance_at(hist[:2], 0.04) is None
+
+
+def test_an_lr_chosen_at_the_grids_edge_is_found_by_hand():
+    fit = lambda v: toys.Fit(None, v, 1, "plateau", 0.0, 0.0)  # noqa: E731
+    assert toys.lr_grid({1e-3: fit(0.5), 3e-3: fit(0.4), 1e-2: fit(0.1)}) == (1e-3, True)
+    assert toys.lr_grid({1e-3: fit(0.4), 3e-3: fit(0.5), 1e-2: fit(0.1)}) == (3e-3, False)
+    assert toys.lr_grid({1e-3: fit(0.1), 3e-3: fit(0.4), 1e-2: fit(0.5)}) == (1e-2, True)
+    assert toys.lr_grid({3e-3: fit(0.5), 1e-3: fit(0.5)}) == (3e-3, True)  # ties: the first tried
+    grid = {1e-3: fit(0.5), 3e-3: fit(0.4)}
+    assert toys.beyond(1e-3, grid) == pytest.approx(1e-3 / 3) and toys.beyond(3e-3, grid) == pytest.approx(9e-3)
+
+
+def test_left_chance_at_and_lr_columns_by_hand():
+    import pandas as pd
+
+    g = pd.DataFrame({"metrics.left_chance_at": [6400.0, None, 12800.0], "metrics.sequences": [64000, 64000, 32000],
+                      "metrics.lr": [1e-3, 3e-3, 1e-3], "metrics.lr_chosen": [True, False, True],
+                      "metrics.lr_at_edge": [True, False, False], "metrics.val_by_lr.0.001": [0.5, 0.03, 0.4],
+                      "metrics.val_by_lr.0.003": [0.4, 0.03, 0.5]})
+    assert toys._left_at(g) == "9.6k (2/3 seeds)"
+    assert toys._left_at(g.assign(**{"metrics.left_chance_at": [None] * 3})) == "at chance through 64k"
+    assert toys._lrs(g) == "0.001, 0.001 (edge), none (at chance)"
+    assert toys._count(640000) == "640k" and toys._count(1_280_000) == "1.28M" and toys._count(640) == "640"
+
+
+def test_a_stopped_cell_continues_from_its_checkpoint(tmp_path, monkeypatch):
+    """A cell stopped mid-training (here: an exception after step 7) continues from its last
+    checkpoint and ends exactly as the training that was never stopped: the same curve, loss
+    and weights; the checkpoint is gone once the cell ends."""
+    s = toys.Settings(**{**MICRO, "tasks": ["mqar"], "max_steps": 12, "lrs": [1e-2]})
+    task = toys.Task("mqar", s)
+    mc = toys.toy_config(load_preset("tiny"), "linear", 16, task.vocab, s)
+    whole = toys.train_cell(mc, task, 1e-2, s, seed=0)
+    monkeypatch.setattr(toys, "CHECKPOINT_EVERY_S", 0.0)
+    ckpt = tmp_path / "cell.pt"
+    steps = []
+
+    def stop_at_7():
+        steps.append(1)
+        if len(steps) == 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        toys.train_cell(mc, task, 1e-2, s, seed=0, on_step=stop_at_7, checkpoint=ckpt)
+    assert ckpt.is_file() and torch.load(ckpt, weights_only=False)["step"] == 6  # the evaluation at step 6
+    steps.clear()
+    resumed = toys.train_cell(mc, task, 1e-2, s, seed=0, on_step=lambda: steps.append(1), checkpoint=ckpt)
+    assert len(steps) == 6 and not ckpt.exists()  # steps 7..12 only
+    assert resumed.history == whole.history and resumed.steps == whole.steps == 12
+    assert resumed.train_loss == whole.train_loss
+    for a, b in zip(resumed.model.state_dict().values(), whole.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_a_layer_at_chance_points_to_its_long_budget_verdict():
+    def row(layer, preset, left, seqs, t="2026-11-28T00:00:00Z", acc=0.03):
+        return {"suite": "toys", "preset": preset, "layer": layer, "seed": 0, "setting": {"task": "mqar", "d_model": 64},
+                "time": t, "run_id": t, "metrics": {"left_chance_at": left, "sequences": seqs, "accuracy": acc,
+                                                    "val_by_lr": {"0.001": 0.5, "0.003": 0.03}}}
+
+    run = [row("fwpkm", "tiny", None, 16000), row("lact", "tiny", None, 16000), row("linear", "tiny", 3200, 16000),
+           row(BASELINE, "tiny", None, 16000), row(toys.NEGATIVE, "tiny", None, 16000)]
+    published = [row("fwpkm", toys.LONG, None, 640000), row("fwpkm", toys.LONG, 192000, 640000, "2026-11-29T00:00:00Z", 0.98)]
+    lines = toys.notes(run, published)
+    assert lines == [
+        "fwpkm: at chance through 16k sequences here; at the recall preset's 10x budget (lrs 0.001, 0.003): left chance "
+        f"at 192k sequences (test 0.980) (leaderboards/README.md, toys — preset {toys.LONG})",  # the latest row
+        f"lact: at chance through 16k sequences here; no long-budget check of it is published yet ({toys.LONG}: docs/toys.md)",
+    ]

@@ -34,13 +34,20 @@ Protocol, per cell (layer, task, width, seed):
 1. *Data.* Training batches are drawn from the seed; a validation and a test set per slice (kv
    count or pairs) from generators of their own, the same for every layer and seed.
 2. *Training to convergence.* AdamW, warmup then cosine to ``min_lr_ratio`` × lr at ``max_steps``
-   (the cap). Every ``eval_every`` steps the validation sets are scored; training stops when they
-   reach ``target`` (*solved*; with ``solve_on: every``, every slice), or, from ``min_steps`` on,
-   when the score has not gained ``min_delta`` for ``patience`` evaluations (*plateau*); otherwise
-   the cap stops it (*capped*: marked in every table). The model kept is the best on validation.
-   ``min_steps``: MQAR is learned in a sudden transition after a flat phase at chance.
+   (the cap). Every ``eval_every`` steps the validation sets are scored (the row keeps the curve);
+   training stops when they reach ``target`` (*solved*; with ``solve_on: every``, every slice), or,
+   from ``min_steps`` on, when the score has not gained ``min_delta`` for ``patience`` evaluations
+   while the training loss no longer falls (``loss_delta``): *plateau*, or *chance* where the best
+   score is within twice chance; otherwise the cap stops it (*capped*). The model kept is the best
+   on validation. Why: MQAR is learned in a sudden transition after a flat phase whose length
+   depends on the layer, the lr and the batch, so only *solved* and *plateau* are verdicts; a cell
+   at *chance* or *capped* is a statement about its budget, "at chance through N sequences",
+   until a longer training (the ``recall-10x`` preset) says otherwise.
 3. *Learning rate on validation.* Each of ``lrs`` (or ``layer_lrs``) is trained; the best
-   validation score picks one; only then are the test sets scored.
+   validation score picks one; if it lies at an edge of the lrs tried, the next lr beyond it (÷3
+   or ×3) is trained too, up to ``MAX_BEYOND`` times, so that no lr is chosen at the edge of its
+   grid; a cell at chance at every lr chooses none (nothing to extend). Only then are the test
+   sets scored.
 4. *Seeds.* ``seeds`` per cell, one row each; tables show the mean, a 95% t-interval, the seeds
    that left chance, and mark a layer whose interval lies wholly above (▲) or below (▼) the baseline's.
 5. *Controls* (run with the baseline): ``ctrl:attention`` (positive: softmax attention in every
@@ -94,8 +101,14 @@ TASKS = ("mqar", "ar")
 EXPLANATION = """Accuracy is on the labelled positions of the test sets (MQAR: every query; Ba's task: the answer
 after the query), mean ± the half-width of a 95% t-interval over the seeds; ▲ / ▼: the layer's
 interval lies wholly above / below the baseline's. Each training ran until validation accuracy
-reached the target or stopped improving (*stop*: solved / plateau / capped; a capped cell did not
-converge), with the learning rate chosen on the validation sets. ctrl:attention is the positive
+reached the target or stopped improving (*stop*: solved / plateau / chance / capped; a capped cell did not
+converge; *chance*: stopped at chance, a statement about the budget), with the learning rate chosen
+on the validation sets ("(edge)": chosen at the edge of the lrs tried; "none": at chance at every lr).
+*Left chance at*: the sequences trained before validation accuracy first rose above twice chance
+(the median over the seeds that did); *budget*: the sequences the chosen lr trained (median, max).
+A layer at chance is at chance through its budget, not at chance as a property: the learning curves
+show where each training stood, and the recall-10x preset retrains the negative rows of the recall
+preset at ten times its budget. ctrl:attention is the positive
 control (attention with a short convolution), ctrl:none the negative one (no token mixer).
 State: numbers one sequence carries (GDN matrices, the memory's fast weights, attention's KV
 cache); a memory shared by the batch (FwPKM as the paper trains it) is counted whole."""
@@ -650,7 +663,7 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
         "val_accuracy": round(fit.val, 4),
         "lr": lr,
         "lr_chosen": not at_chance,  # at chance at every lr: no lr is chosen (the best of noise is kept)
-        "lr_at_edge": edge and not at_chance,
+        "lr_at_edge": edge and len(fits) > 1 and not at_chance,  # one lr given: a choice, not a grid
         "val_by_lr": {f"{k:g}": round(f.val, 4) for k, f in sorted(fits.items())},
         "steps": fit.steps,
         "sequences": fit.steps * s.batch_size,  # the budget the chosen lr's training used
@@ -678,6 +691,42 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
                    f"(val {fit.val:.3f}, lr {lr:g}, {fit.steps} steps, {fit.stop}; "
                    + (f"left chance at {left_at} sequences)" if left_at else f"at chance through {fit.steps * s.batch_size} sequences)"))
     return row
+
+
+# ---- what a short budget can show ------------------------------------------------------------
+
+#: the preset that checks the recall preset's negative rows at ten times its budget
+LONG = "recall-10x"
+
+
+def notes(rows: list[dict], published: list[dict]) -> list[str]:
+    """One line per layer that the run's MQAR rows show at chance in every seed: the budget it was
+    at chance through, and the published long-budget verdict on it (the `LONG` preset's row in
+    `published`), or that none is published yet. A table at a short budget shows the budget, not
+    the layer, until a longer training says otherwise."""
+    out = []
+    mine = [r for r in rows if r["suite"] == NAME and r["setting"].get("task") == "mqar" and r["preset"] != LONG
+            and r["layer"] not in CONTROLS and r["layer"] != BASELINE and "sequences" in r["metrics"]]
+    long = {}
+    for r in sorted(published, key=lambda r: (r["time"], r["run_id"])):
+        if r["suite"] == NAME and r["preset"] == LONG and r["seed"] == 0:
+            long[r["layer"]] = r
+    for layer in sorted({r["layer"] for r in mine}):
+        g = [r for r in mine if r["layer"] == layer]
+        if any(r["metrics"]["left_chance_at"] is not None for r in g):
+            continue
+        line = f"{layer}: at chance through {_count(max(r['metrics']['sequences'] for r in g))} sequences here"
+        ref = long.get(layer)
+        if ref is None:
+            out.append(f"{line}; no long-budget check of it is published yet ({LONG}: docs/toys.md)")
+            continue
+        m = ref["metrics"]
+        verdict = (f"left chance at {_count(m['left_chance_at'])} sequences (test {m['accuracy']:.3f})"
+                   if m["left_chance_at"] is not None else f"at chance through {_count(m['sequences'])} sequences")
+        lrs = ", ".join(m["val_by_lr"])
+        out.append(f"{line}; at the recall preset's 10x budget (lrs {lrs}): {verdict} "
+                   f"(leaderboards/README.md, toys — preset {LONG})")
+    return out
 
 
 # ---- rendering -----------------------------------------------------------------------------
@@ -804,10 +853,11 @@ def _lrs(g) -> str:
         return None if v is None or v != v else bool(v)  # absent, NaN (rows of protocol 2): None
 
     for _, r in g.iterrows():
+        tried = sum(1 for c in g.columns if c.startswith("metrics.val_by_lr.") and r[c] == r[c])  # (not NaN)
         if flag(r, "metrics.lr_chosen") is False:
             out.append("none (at chance)")
         else:
-            out.append(f"{r['metrics.lr']:g}" + (" (edge)" if flag(r, "metrics.lr_at_edge") else ""))
+            out.append(f"{r['metrics.lr']:g}" + (" (edge)" if flag(r, "metrics.lr_at_edge") and tried > 1 else ""))
     return ", ".join(sorted(set(out)))
 
 
