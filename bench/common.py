@@ -470,6 +470,67 @@ def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, (mid - half) / (1 + z * z / n)), min(1.0, (mid + half) / (1 + z * z / n))
 
 
+def logit_ci(values, ns=None) -> tuple[float, float, float]:
+    """(mean, lo, hi) of a few proportions, one per training seed: their mean and the 95%
+    t-interval (`mean_ci`) of their logits mapped back, each value first clipped to
+    [0.5/n, 1 - 0.5/n] (n: its row's sample count in `ns`; 1e-3 and 1 - 1e-3 where unknown) so
+    that 0 and 1 have a logit, and widened to hold the mean where that clip leaves it out (seeds
+    that agree at 0 or 1). Unlike mean ± t over so few values it stays inside [0, 1]."""
+    vals = [float(v) for v in values]
+    if not vals:
+        return float("nan"), float("nan"), float("nan")
+    ns = [None] * len(vals) if ns is None else list(ns)
+    logits = []
+    for v, n in zip(vals, ns):
+        eps = 0.5 / float(n) if n is not None and not math.isnan(float(n)) and n > 0 else 1e-3
+        p = min(max(v, eps), 1 - eps)
+        logits.append(math.log(p / (1 - p)))
+    m, h = mean_ci(logits)
+    mean = sum(vals) / len(vals)
+    lo, hi = _sigmoid(m - h), _sigmoid(m + h)
+    return mean, min(lo, mean), max(hi, mean)
+
+
+def _sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
+def beyond(lo: float, hi: float, ref_lo: float, ref_hi: float) -> str:
+    """' ▲' / ' ▼' where the interval [lo, hi] lies wholly above / below [ref_lo, ref_hi] (the
+    baseline's), else '': intervals that touch are no difference."""
+    return " ▲" if lo > ref_hi else " ▼" if hi < ref_lo else ""
+
+
+def with_seed(df):
+    """The frame with a ``seed`` column (frames made without one: every row seed 0), so that the
+    tables can count and aggregate training seeds."""
+    return df if "seed" in df else df.assign(seed=0)
+
+
+def shared_count(values):
+    """The count every seed shares (an int: passages, samples, steps), else their range 'lo-hi':
+    seeds run with different settings show as such, not as one of them."""
+    vals = sorted({int(v) for v in values if not math.isnan(float(v))})
+    return vals[0] if len(vals) == 1 else f"{vals[0]}-{vals[-1]}" if vals else float("nan")
+
+
+def fewer_seeds(k: int, n: int) -> str:
+    """' (k of n seeds)' for a cell with fewer seeds than its layer's row, else '': a cell never
+    passes for all of a layer's trainings when it holds only some."""
+    return f" ({k} of {n} seeds)" if k < n else ""
+
+
+def with_texts(table, texts: dict):
+    """`table` with the cells in `texts` ({(index, column): text}, e.g. a mean with its interval
+    over seeds) written in; in a column that gets one, the other numbers are printed as tabulate
+    prints a float ('g'), so that a one-seed cell reads as it did in a column of numbers."""
+    table = table.copy()
+    for col in dict.fromkeys(c for _, c in texts):
+        table[col] = [texts[(i, col)] if (i, col) in texts else format(v, "g") if isinstance(v, float) else v
+                      for i, v in zip(table.index, table[col])]
+    return table
+
+
 def layer_order(names) -> list[str]:
     """Layer names for tables and figures: the baseline first, then the layers by name, then
     the controls."""

@@ -160,6 +160,75 @@ def test_ppl_probe_withholds_layer_rows_when_the_positive_control_does_not_copy(
 
 
 
+def ppl_seed_rows(probe_gains: dict | None = None):
+    """ppl rows of three training seeds for the baseline, fwpkm and the positive control and one
+    for mom: fwpkm's sonnets carry loss 1.5 / 1.6 / 1.7, its gain 0.01 / 0.02 / 0.03 and its probe
+    gain 0.05 / 0.06 / 0.07; `probe_gains` replaces the positive control's probe gain by seed."""
+    import pandas as pd
+
+    from memzoo.bench.common import POSITIVE
+
+    out = []
+    for layer, seeds in ((BASELINE, (0, 1, 2)), ("fwpkm", (0, 1, 2)), (POSITIVE, (0, 1, 2)), ("mom", (0,))):
+        for seed in seeds:
+            d = 0.1 * seed if layer == "fwpkm" else 0.0
+            gain = {"fwpkm": 0.01 * (seed + 1), "mom": 0.05}.get(layer, 0.0)
+            probe = {"fwpkm": 0.05 + 0.01 * seed, "mom": 0.05, POSITIVE: (probe_gains or {}).get(seed, 0.5)}.get(layer, 0.0)
+            for corpus, mode in (("sonnets", "carry"), ("sonnets", "reset"), ("repeat", "carry")):
+                m = {"loss": 1.5 + d, "params": 1e6, "lm_steps": 10, "lm_tokens": 1e4, "lm_val_loss": 1.6 + d,
+                     "lm_train_wall_s": 1.0}
+                if corpus == "repeat":
+                    m = {**m, "first_loss": 1.5, "second_loss": 1.5 - probe, "gain": probe, "gain_half": 0.01, "n_passages": 32}
+                elif mode == "carry":
+                    m = {**m, "gain": gain, "gain_half": 0.01, "by_position": {"0-256": 1.5 + d}}
+                out.append({"suite": "ppl", "layer": layer, "seed": seed, "setting": {"corpus": corpus, "mode": mode},
+                            "metrics": m})
+    return pd.json_normalize(out)
+
+
+def test_ppl_tables_aggregate_training_seeds():
+    """A layer with 3 seeds: the mean ± a 95% t-interval over the trainings, computed by hand, and
+    how many seeds; a layer with one seed: the cell of today; marks against the baseline's seeds."""
+    from memzoo.bench.common import POSITIVE
+    from memzoo.bench.suites import ppl
+
+    t = ppl.tables(ppl_seed_rows())
+    half = 4.303 * 0.1 / math.sqrt(3)  # sd 0.1 over three seeds, t(0.975, 2)
+    (title, loss), = [(k, v) for k, v in t.items() if k.startswith("Loss")]
+    assert "over trainings where seeds > 1" in title
+    assert loss["seeds"].to_dict() == {BASELINE: 3, "fwpkm": 3, "mom": 1, POSITIVE: 3}
+    assert loss.loc["fwpkm", "sonnets carry"] == f"1.6000 ± {half:.4f}"
+    assert loss.loc["fwpkm", "sonnets gain"] == f"+0.0200 ± {half / 10:.4f}"  # reaches below 0: no mark
+    assert loss.loc[BASELINE, "sonnets carry"] == "1.5000 ± 0.0000"
+    assert (loss.loc["mom", "sonnets carry"], loss.loc["mom", "sonnets gain"]) == ("1.5", "+0.0500 ± 0.0100 ▲")  # as today
+    ppx = next(v for k, v in t.items() if k.startswith("Perplexity"))
+    assert ppx.loc["fwpkm", "sonnets carry"] == f"{math.exp(1.6):.3f} [{math.exp(1.6 - half):.3f}, {math.exp(1.6 + half):.3f}]"
+    assert ppx.loc["mom", "sonnets carry"] == "4.482"
+    (title, probe), = [(k, v) for k, v in t.items() if "probe" in k]
+    assert not title.startswith("HARNESS INVALID")
+    assert probe.loc["fwpkm", "gain"] == f"+0.0600 ± {half / 10:.4f} ▲"  # wholly above the baseline's seeds' [0, 0]
+    assert (probe.loc["mom", "gain"], probe.loc["mom", "seeds"]) == ("+0.0500 ± 0.0100 ▲", 1)
+    by = next(v for k, v in t.items() if k.startswith("Carried loss by position"))
+    assert by.loc["fwpkm sonnets", "0-256"] == f"1.6000 ± {half:.4f}" and by.loc["mom sonnets", "0-256"] == "1.5"
+    lms = next(v for k, v in t.items() if k.startswith("The LMs"))
+    assert lms["seeds"].to_dict() == {BASELINE: 3, "fwpkm": 3, "mom": 1, POSITIVE: 3}
+    assert lms.loc["fwpkm", "LM val loss"] == f"1.7000 ± {half:.4f}" and lms.loc["mom", "LM val loss"] == "1.6"
+
+
+def test_ppl_validity_fails_when_one_seed_of_the_positive_control_does_not_copy():
+    from memzoo.bench.common import POSITIVE
+    from memzoo.bench.suites import ppl
+
+    assert ppl.validity(ppl_seed_rows()) == []
+    bad = ppl_seed_rows({1: -0.03})
+    assert ppl.validity(bad) == ["the positive control's gain in seed 1 is -0.030 ± 0.010 nats/token, not clearly above 0.1"]
+    (title, probe), = [(k, v) for k, v in ppl.tables(bad).items() if "probe" in k]
+    assert title.startswith("HARNESS INVALID") and list(probe.index) == [POSITIVE]
+    rows = ppl_seed_rows()
+    gone = rows[~((rows["layer"] == POSITIVE) & (rows["seed"] == 2))]
+    assert ppl.validity(gone) == ["the positive control's probe was not run in seed 2 (niah.controls, ppl.passages)"]
+
+
 def test_a_resumed_lm_suite_neither_trains_nor_evaluates_recorded_lms(micro, tmp_path, monkeypatch):
     """ppl and niah with `resume`: an LM whose every cell is recorded (same config and seed) is
     skipped, its rows returned; a changed setting evaluates it again."""

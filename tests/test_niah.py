@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import hashlib
+import math
 
 import pandas as pd
 import pytest
@@ -14,7 +15,7 @@ import torch
 import memzoo.layers  # noqa: F401  (registers the layers)
 from memzoo.backbone.model import HybridLM
 from memzoo.bench.suites import niah as suite
-from memzoo.bench.common import load_preset, model_config, wilson
+from memzoo.bench.common import load_preset, logit_ci, mean_ci, model_config, wilson
 from memzoo.data import LMStream, get_tokenizer
 from memzoo.data.niah import NEEDLE, NeedleMix, TextSource, make_sample, niah_samples
 
@@ -247,7 +248,7 @@ def test_tables_and_figures(tmp_path):
     t = suite.tables(df)
     acc = t["NIAH exact-match accuracy (%) [95% interval over samples], length x n-iter"]
     assert list(acc.index) == ["baseline", "fwpkm", "ctrl:attention", "ctrl:none"]
-    assert list(acc.columns)[:2] == ["192 x1", "192 x2"]
+    assert list(acc.columns)[:3] == ["seeds", "192 x1", "192 x2"] and set(acc["seeds"]) == {1}  # one training seed each
     assert acc.loc["baseline", "192 x1"] == "0.0 [0, 32]"  # 0 of 8: upper z^2/8 / (1 + z^2/8)
     assert acc.loc["fwpkm", "1K x2"] == "50.0 [22, 78]"  # 4 of 8: overlaps the baseline's [0, 32]
     assert acc.loc["fwpkm", "1K x3"] == "75.0 [41, 93] ▲"  # 6 of 8: wholly above it
@@ -275,6 +276,79 @@ def test_tables_and_figures(tmp_path):
     again = suite.figures(df.sample(frac=1, random_state=0), tmp_path / "b")
     for p, q in zip(paths, again):  # deterministic: same data, same bytes
         assert hashlib.sha256(p.read_bytes()).hexdigest() == hashlib.sha256(q.read_bytes()).hexdigest()
+
+
+def seeded(df: pd.DataFrame, layers, seeds=(1, 2)) -> pd.DataFrame:
+    """`df` with the rows of `layers` repeated for training seeds `seeds` (as a bench run with
+    --seed adds the baseline's and the controls' LMs beside the layers')."""
+    extra = [df[df["layer"].isin(layers)].assign(seed=s) for s in seeds]
+    return pd.concat([df, *extra], ignore_index=True)
+
+
+def test_logit_interval_of_three_proportions_by_hand_stays_inside_0_1():
+    # n = 48: clipped to [1/96, 95/96], logits -ln 95, 0, ln 95; sd ln 95, half t(0.975, 2) ln 95 / sqrt 3
+    half = 4.303 * math.log(95) / math.sqrt(3)
+    mean, lo, hi = logit_ci([0.0, 0.5, 1.0], [48] * 3)
+    assert (mean, lo, hi) == pytest.approx((0.5, 1 / (1 + math.exp(half)), 1 / (1 + math.exp(-half))), rel=1e-9)
+    assert 0 < lo < 0.001 and 0.999 < hi < 1  # mean ± t of the values themselves reaches past both ends
+    m, h = mean_ci([0.0, 0.5, 1.0])
+    assert m - h < 0 and m + h > 1
+    # seeds that agree at 0: the clipped point (0.5/n, or 1e-3 without n) widened to hold the mean
+    assert logit_ci([0.0, 0.0], [48, 48]) == pytest.approx((0.0, 0.0, 1 / 96))
+    assert logit_ci([0.0, 0.0]) == pytest.approx((0.0, 0.0, 1e-3))
+
+
+def test_tables_aggregate_training_seeds():
+    """A layer with 3 seeds: the mean and a 95% interval over the trainings (logit scale for
+    exact match, plain t for the answer loss), marked against the baseline's seeds; a layer with
+    one seed: today's cell, marked against the baseline's row of its seed."""
+    df = fake_rows()
+    one = df[df["layer"] == "fwpkm"].assign(layer="fwl")  # one seed: fwpkm's seed-0 rows under another name
+    df = seeded(pd.concat([df, one], ignore_index=True), ["baseline", "fwpkm", "ctrl:attention", "ctrl:none"])
+    at = (df["layer"] == "fwpkm") & (df["setting.length"] == 1024) & (df["setting.n_iter"] == 1)
+    for seed, acc in ((0, 0.5), (1, 0.75), (2, 1.0)):
+        df.loc[at & (df["seed"] == seed), ["metrics.accuracy", "metrics.answer_nll"]] = acc, 2.3 - acc
+    t = suite.tables(df)
+    (title, acc), = [(k, v) for k, v in t.items() if k.startswith("NIAH exact-match")]
+    assert title == "NIAH exact-match accuracy (%) [95% interval over samples; over trainings where seeds > 1], length x n-iter"
+    assert acc["seeds"].to_dict() == {"baseline": 3, "fwl": 1, "fwpkm": 3, "ctrl:attention": 3, "ctrl:none": 3}
+    # n = 8: 1.0 clipped to 15/16; logits 0, ln 3, ln 15, their mean and t-interval mapped back
+    z = [0.0, math.log(3), math.log(15)]
+    m = sum(z) / 3
+    half = 4.303 * math.sqrt(sum((v - m) ** 2 for v in z) / 2) / math.sqrt(3)
+    lo, hi = 100 / (1 + math.exp(half - m)), 100 / (1 + math.exp(-m - half))
+    assert (round(lo), round(hi)) == (11, 99)
+    # ▲: above the baseline's interval over its three trainings, all at 0: [0, 100/16]
+    assert acc.loc["fwpkm", "1K x1"] == f"75.0 [{lo:.0f}, {hi:.0f}] ▲"
+    assert acc.loc["baseline", "1K x1"] == "0.0 [0, 6]"
+    # the answer loss: 1.8, 1.55, 1.3, mean ± t over the seeds
+    nll = next(v for k, v in t.items() if k.startswith("NIAH answer NLL"))
+    assert nll.loc["fwpkm", "1K x1"] == f"1.550 ± {4.303 * 0.25 / math.sqrt(3):.3f}"
+    assert nll.loc["fwl", "1K x1"] == "2.05"  # one seed: as a float prints in a column of numbers
+    # one seed: the cells of today (fwpkm's seed 0 before), against the baseline's seed-0 row
+    one_seed = suite.tables(fake_rows())
+    for old, new in ((one_seed[next(iter(one_seed))], acc),
+                     (next(v for k, v in one_seed.items() if k.startswith("NIAH answer digits")),
+                      next(v for k, v in t.items() if k.startswith("NIAH answer digits")))):
+        assert new.loc["fwl"].drop("seeds").to_dict() == old.loc["fwpkm"].drop("seeds").to_dict()
+    assert acc.loc["fwl", "1K x3"] == "75.0 [41, 93] ▲"
+    costs = next(v for k, v in t.items() if k.startswith("NIAH throughput"))
+    assert costs.set_index(["layer", "length"])["seeds"].to_dict()[("fwpkm", 1024)] == 3
+
+
+def test_validity_judges_every_seed_of_the_controls():
+    df = seeded(fake_rows(), ["baseline", "fwpkm", "ctrl:attention", "ctrl:none"])
+    assert suite.validity(df) == []
+    pos = df.copy()  # the positive control misses in one seed of three
+    pos.loc[(pos["layer"] == "ctrl:attention") & (pos["seed"] == 2) & (pos["setting.length"] == 192), "metrics.accuracy"] = 0.875
+    assert suite.validity(pos) == ["the positive control's exact match is 87.5% at 192 tokens in seed 2 (< 90%)"]
+    (title, table), = [(k, v) for k, v in suite.tables(pos).items() if "exact-match" in k]
+    assert title.startswith("HARNESS INVALID") and set(table.index) == {"ctrl:attention", "ctrl:none"}
+    neg = df.copy()  # the negative control finds needles in one seed
+    neg.loc[(neg["layer"] == "ctrl:none") & (neg["seed"] == 1), "metrics.digit_accuracy"] = 0.3
+    assert suite.validity(neg) == ["the negative control gets 30.0% of the digits in seed 1, above twice chance (10%)"]
+    gone = df[~((df["layer"] == "ctrl:attention") & (df["seed"] == 2))]  # a seed without its controls
+    assert suite.validity(gone) == ["the controls were not run in seed 2 (niah.controls)"]
 
 
 def test_fwpkm_gate_and_hit_diagnostics_with_one_slot_by_hand():
