@@ -34,8 +34,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from memzoo.layers.base import MemoryLayer
-from memzoo.registry import build_layer
+# research/ (one-off experiments, not installed) is imported from the checkout by its tests
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from memzoo.layers.base import MemoryLayer  # noqa: E402
+from memzoo.registry import build_layer  # noqa: E402
 from memzoo.registry import get_layer
 
 D = 32  # the d_model of LAYER_TESTS' options

@@ -227,7 +227,7 @@ def test_rnn_learns_retrieval_n_pairs_2():
     chance (10%) and the 'some digit of the sequence' plateau (~55%): it retrieves by key. Seed 0
     reaches ~0.99 in 1500 steps, 10-25 s on one (shared) core; the bar leaves room for other
     torch builds."""
-    from memzoo.bench.experiments.ba_retrieval import RetrievalConfig, train_retrieval
+    from research.ba_retrieval import RetrievalConfig, train_retrieval
 
     cfg = RetrievalConfig(
         n_pairs=2, activation="tanh", lr=3e-3, batch_size=64, seed=0,  # the paper's R, λ, η, S, W
@@ -248,7 +248,7 @@ def test_rnn_learns_retrieval_n_pairs_2():
 def test_bench_cli_smoke(tmp_path):
     import json
 
-    from memzoo.bench.experiments.ba_retrieval import _parse_pairs, main
+    from research.ba_retrieval import _parse_pairs, main
 
     assert _parse_pairs("1-3,5") == [1, 2, 3, 5]
     out = tmp_path / "r.json"

@@ -352,7 +352,7 @@ def test_validity_judges_every_seed_of_the_controls():
 
 
 def test_fwpkm_gate_and_hit_diagnostics_with_one_slot_by_hand():
-    """bench/experiments/niah_fwpkm on a memory of one slot (top-1 of 1² slots), so every read
+    """research/niah_fwpkm on a memory of one slot (top-1 of 1² slots), so every read
     has weight 1 on slot 0, and after a pass written as one chunk (lookahead: q_t stores
     v_{t+1}) its last writer is the pass's last token. The haystack ends with the needle's
     value 481444, so that writer is the needle's last digit "4": at the six answer positions
@@ -364,7 +364,7 @@ def test_fwpkm_gate_and_hit_diagnostics_with_one_slot_by_hand():
     the first five digits)."""
     from dataclasses import replace
 
-    from memzoo.bench.experiments import niah_fwpkm
+    from research import niah_fwpkm
     from memzoo.data.niah import Needle, NiahSample
 
     torch.manual_seed(0)

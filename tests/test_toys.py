@@ -456,7 +456,7 @@ def test_evaluation_leaves_persistent_memories_as_they_were(tmp_path):
 
 
 def test_fwpkm_sharing_experiment_names_its_forms():
-    from memzoo.bench.experiments import fwpkm_sharing
+    from research import fwpkm_sharing
 
     assert set(fwpkm_sharing.FORMS) >= {"gdn", "per_sequence", "shared"}
     with pytest.raises(SystemExit, match="unknown form"):
@@ -468,7 +468,7 @@ def test_fwpkm_route_hit_and_gate_by_hand():
     there puts weights 0.5 / 0.2 / 0.2 / 0.1 on slots last written by position 3, position 3,
     position 3 of another sequence (batch row 1) and never, so 0.7 of it lands on the pair's
     slots. The gate at the query is 0.9."""
-    from memzoo.bench.experiments import fwpkm_route
+    from research import fwpkm_route
 
     class Mem:
         def stats(self):
@@ -506,9 +506,9 @@ def test_fwpkm_route_hit_and_gate_by_hand():
 
 
 def test_rerun_comparison_by_hand():
-    """bench/experiments/reruns.py: means and t-intervals over the seeds both runs hold, identical
+    """bench/reruns.py: means and t-intervals over the seeds both runs hold, identical
     cells counted, wall time per model and per run id."""
-    from memzoo.bench.experiments.reruns import compare, cost
+    from memzoo.bench.reruns import compare, cost
 
     def row(seed, acc, steps=100, run="a", wall=10.0, at="2026-11-25T10:00:00Z", h="h1"):
         return {"suite": "toys", "preset": "standard", "layer": "pkm", "setting": {"task": "mqar", "d_model": 128},
@@ -528,9 +528,9 @@ def test_rerun_comparison_by_hand():
 
 
 def test_rerun_with_fresh_seeds_by_hand():
-    """bench/experiments/reruns.py --fresh-seeds: a rerun's own seeds against every published seed
+    """bench/reruns.py --fresh-seeds: a rerun's own seeds against every published seed
     of the same config (seed by seed there is nothing to pair, so no identical cells are counted)."""
-    from memzoo.bench.experiments.reruns import compare, orders
+    from memzoo.bench.reruns import compare, orders
 
     def row(layer, seed, acc, h="h1"):
         return {"suite": "toys", "preset": "standard", "layer": layer, "setting": {"task": "mqar", "d_model": 128},
@@ -553,10 +553,10 @@ def test_rerun_with_fresh_seeds_by_hand():
 
 
 def test_rerun_orders_by_hand():
-    """bench/experiments/reruns.py: the model pairs the published rows separate (disjoint 95%
+    """bench/reruns.py: the model pairs the published rows separate (disjoint 95%
     t-intervals over at least two shared seeds), whether the rerun keeps their order, and whether
     its own intervals separate them the other way."""
-    from memzoo.bench.experiments.reruns import orders
+    from memzoo.bench.reruns import orders
 
     def rows(layer, accs):
         return [{"suite": "toys", "preset": "standard", "layer": layer, "setting": {"task": "mqar", "d_model": 128},
@@ -575,10 +575,10 @@ def test_rerun_orders_by_hand():
 
 
 def test_uninterrupted_run_counted_by_hand():
-    """bench/experiments/reruns.py: a run in segments counted as one: each group's costliest
+    """bench/reruns.py: a run in segments counted as one: each group's costliest
     compile_s once (its first cell), its cheapest for the others, on workers taking the first cell
     of every group first; a row without compile_s counts its wall time."""
-    from memzoo.bench.experiments.reruns import uninterrupted
+    from memzoo.bench.reruns import uninterrupted
 
     def row(layer, seed, wall, at, compile_s=None):
         m = {} if compile_s is None else {"compile_s": compile_s}
@@ -599,7 +599,7 @@ def test_uninterrupted_run_counted_by_hand():
 def test_value_set_scores_the_queried_value_any_value_of_the_sequence_and_by_place():
     from types import SimpleNamespace
 
-    from memzoo.bench.experiments.value_set import value_set
+    from research.value_set import value_set
     from memzoo.data import mqar
 
     # one sequence of 2 pairs (k1 v1 k2 v2), then queries of k2 and k1 at positions 5 and 7

@@ -64,7 +64,7 @@ attention over four 4K-token passes cost two hours. Why the paper's FwPKM stays 
 (its row shares one memory across the batch, as the paper trains it): in training a question's read
 lands on its needle's slots for 1-2% of its weight, the batch's other sequences having overwritten
 them (16-26% for the same windows read one at a time), the paper's gate (Fig. 3) and [HIT] (Fig. 5)
-measured by ``python -m memzoo.bench.experiments.niah_fwpkm LM_DIR``. Of the changes measured one
+measured by ``python -m research.niah_fwpkm LM_DIR``. Of the changes measured one
 at a time (the memory in block 0 where the query at the needle and the question is computed from
 the same 4 tokens; chunk 16; ``variant: release``; its addressing loss alone; a memory per
 sequence), only the last made FwPKM carry needles, hence the variant ``fwpkm/seq`` (``variants``:

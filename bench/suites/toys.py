@@ -67,7 +67,7 @@ LaCT) read before they write a chunk, so the presets give them chunks of a few p
 chunk as long as the sequence (the paper's plain FWL) and learns from the sequence's next tokens
 (its L_t), not from the task's labels, which MQAR puts on the queries only. Training runs in bf16 autocast with
 torch.compile (``precision``, ``compile``); evaluation in fp32 eager. ``python -m
-memzoo.bench.experiments.reruns DIR`` reads a rerun beside the published rows. Why each choice,
+memzoo.bench.reruns DIR`` reads a rerun beside the published rows. Why each choice,
 with its measurements: docs/toys.md; speed: docs/performance.md.
 """
 

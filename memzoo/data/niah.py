@@ -263,7 +263,7 @@ class NeedleMix:
     weighted mean). The answer digits are 2-5% of a needle window, and with the plain loss
     they give no signal until a copy circuit exists: a tiny full-attention LM stayed at chance
     for as long as we trained it, and learnt to copy within 750 steps with w = 20
-    (:mod:`memzoo.bench.experiments.niah_control`).
+    (:mod:`research.niah_control`).
     """
 
     def __init__(

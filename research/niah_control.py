@@ -1,4 +1,5 @@
 """Why the NIAH suite's LMs stay at chance, and what a positive control needs (issue 13, step 1).
+Finding: docs/niah.md, "The positive control (issue 13)".
 
 The learning curve of one NIAH LM of the bench (the `standard` preset's by default: the tiny
 preset's backbone, 4 blocks, d=128, byte tokens, AdamW lr 3e-3, batch 16, bf16 autocast,
@@ -18,9 +19,9 @@ copy the answer; with the answer tokens weighted 20x it does, but text windows b
 windows and 256-token windows each delay that beyond a CPU budget, and Adam's beta2 = 0.95 slows
 it; all-needle 128-token windows with beta2 0.98 are the standard preset's recipe.
 
-    python -m memzoo.bench.experiments.niah_control          # the standard preset's NIAH LM
-    python -m memzoo.bench.experiments.niah_control --seq-len 256 --train-mix 0.5 --beta2 0.95 --lengths 192 --needles 5
-    python -m memzoo.bench.experiments.niah_control --seq-len 256 --train-mix 1.0 --beta2 0.95 --min-needles 5 ...
+    python -m research.niah_control          # the standard preset's NIAH LM
+    python -m research.niah_control --seq-len 256 --train-mix 0.5 --beta2 0.95 --lengths 192 --needles 5
+    python -m research.niah_control --seq-len 256 --train-mix 1.0 --beta2 0.95 --min-needles 5 ...
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Ba et al.'s associative-retrieval toy (Sec. 4.1) with the paper's fast-weights RNN, on CPU.
+Finding: memzoo/layers/ba.py's docstring (the paper's retrieval network, ReLU against tanh).
 
 Trains :class:`memzoo.layers.ba.FastWeightsRNN` on ``k1 v1 … kn vn ? ? q`` -> v
 (:mod:`memzoo.data.assoc_retrieval`) with Adam, evaluates a fixed held-out set every
 ``--eval-every`` steps, prints the accuracy curve (step, minutes, accuracy), and stops at the
 target accuracy or the time budget, whichever comes first::
 
-    python -m memzoo.bench.experiments.ba_retrieval --n-pairs 4 --activation tanh --minutes 15
-    python -m memzoo.bench.experiments.ba_retrieval --sweep --minutes 3          # n_pairs = 1..8
-    python -m memzoo.bench.experiments.ba_retrieval --n-pairs 4 --json out.json  # the result as JSON
+    python -m research.ba_retrieval --n-pairs 4 --activation tanh --minutes 15
+    python -m research.ba_retrieval --sweep --minutes 3          # n_pairs = 1..8
+    python -m research.ba_retrieval --n-pairs 4 --json out.json  # the result as JSON
 
 Defaults: R = 50 hidden units, S = 1 inner step, λ = 0.95, η = 0.5, W = 0.05·I, LayerNorm,
 Adam lr 1e-3, batch 128 (Sec. 4.1's setting, with Adam). The goal: >= 98% at n_pairs = 4 in
@@ -205,7 +206,7 @@ _SHORT = {"hidden_size": "-R", "inner_steps": "-S"}
 
 def main(argv: list[str] | None = None) -> list[RetrievalResult]:
     d = RetrievalConfig()
-    p = argparse.ArgumentParser(prog="python -m memzoo.bench.experiments.ba_retrieval", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m research.ba_retrieval", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in fields(d):  # a flag per RetrievalConfig field: --n-pairs, --hidden-size (-R), ...
         flags = ["--" + f.name.replace("_", "-"), *([_SHORT[f.name]] if f.name in _SHORT else [])]

@@ -1,8 +1,10 @@
 """Does a memory recall the queried pair, or only which values the sequence holds?
+Finding: docs/toys.md, "The recall preset finished, and what the dense memories learn" (the 1/n
+plateau, corrected by the long-budget check of 2026-11-28 in the same file).
 
 The recall preset's MQAR cell (zoo_configs/bench/recall.yaml: 64 tokens, vocabulary 64, every
-query at least 9 tokens after its pair, 2 blocks of 4-token windows, width 64, batch 32, bf16 +
-compile), one layer or variant, trained at one learning rate to a fixed step count; then, on the
+query at least 9 tokens after its pair, 2 blocks of 4-token windows, width 64, batch 32, the
+preset's precision, compile), one layer or variant, trained at one learning rate to a fixed step count; then, on the
 test set of each pair count n, at the query positions:
 
 - ``acc``: the prediction is the queried pair's value (the table's accuracy);
@@ -13,8 +15,8 @@ A memory that stores the set of the sequence's values but cannot address them by
 with one of them: ``in_set`` near 1 and ``acc`` near 1/n, the same for every pair's place. One that
 keeps only the latest pair has ``by_pair`` high at the last place only. ::
 
-    python -m memzoo.bench.experiments.value_set linear --steps 1000 --lr 1e-3
-    python -m memzoo.bench.experiments.value_set fwmlp --lr 3e-3 --at 0 --options '{"before_mixer": true}'
+    python -m research.value_set linear --steps 1000 --lr 1e-3
+    python -m research.value_set fwmlp --lr 3e-3 --at 0 --options '{"before_mixer": true}'
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 """Why FwPKM made MQAR recall worse than no memory: its memory shared by the batch.
+Finding: docs/toys.md, "Why FwPKM's memory is per sequence here".
 
 The diagnosis behind the toys suite's FwPKM setting (see bench/suites/toys.py): MQAR at a
 CPU-sized Zoology scale (64 tokens, vocabulary 256, 4/8/16 pairs, batch 64, width 64, lr 3e-3,
@@ -6,8 +7,8 @@ CPU-sized Zoology scale (64 tokens, vocabulary 256, 4/8/16 pairs, batch 64, widt
 with FwPKM (64² slots of dim 64, top-8, chunk 8) in its last block, in the forms below. Each
 form is one training on one thread (about 5 minutes)::
 
-    python -m memzoo.bench.experiments.fwpkm_sharing              # all forms
-    python -m memzoo.bench.experiments.fwpkm_sharing shared gdn   # some
+    python -m research.fwpkm_sharing              # all forms
+    python -m research.fwpkm_sharing shared gdn   # some
 
 ``--capacity SEED``: the capacity preset's ``fwpkm/shared`` cell (zoo_configs/bench/capacity.yaml),
 trained exactly as the bench trains it (the same steps, stop and test accuracy as its row), then
@@ -16,7 +17,7 @@ the batch of 64), with the memory per sequence (each test sequence reads only it
 from the initial fast weights), and with the memory's output removed (the GDN alone); and the
 mean write gate g on the test set. About 20 minutes on one thread::
 
-    python -m memzoo.bench.experiments.fwpkm_sharing --capacity 0
+    python -m research.fwpkm_sharing --capacity 0
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Why FwPKM does not recall when its memory is the only route, and what does.
+Finding: docs/toys.md, "FwPKM through the memory alone, one change at a time".
 
 The recall preset's FwPKM cell (zoo_configs/bench/recall.yaml: MQAR of 64 tokens, vocabulary 64,
 4 / 8 / 12 pairs, every query at least 9 tokens after its pair; 2 blocks whose mixers are 4-token
-sliding windows; FwPKM with 64² slots of dim 64, top-8, chunk 8, a memory per sequence; bf16 +
-compile, lr 3e-3, seed 0) at the standard toys' width and batch (128, 64; ``--width``, ``--batch``),
+sliding windows; FwPKM with 64² slots of dim 64, top-8, chunk 8, a memory per sequence; the
+preset's precision (bf16 until 2026-11-28, fp32 since), compile, lr 3e-3, seed 0) at the standard toys' width and batch (128, 64; ``--width``, ``--batch``),
 trained in the forms below, one change each. Every ``--every`` steps it prints the validation
 accuracy per slice and two of the paper's diagnostics on 64 validation sequences of 4 pairs, read
 in fp32 eager:
@@ -14,8 +15,8 @@ in fp32 eager:
 
 ::
 
-    python -m memzoo.bench.experiments.fwpkm_route                 # every form, 800 steps each
-    python -m memzoo.bench.experiments.fwpkm_route token paper --steps 400
+    python -m research.fwpkm_route                 # every form, 800 steps each
+    python -m research.fwpkm_route token paper --steps 400
 
 One form is about 4-7 minutes on one thread (``release`` ~3x: its writes keep their graph).
 """
