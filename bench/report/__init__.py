@@ -1,4 +1,10 @@
-"""`memzoo leaderboard`: render ``leaderboards/README.md`` and the figures from results.jsonl.
+"""Rows -> report: every table, figure and reading note of the bench, rendered from rows alone.
+
+`memzoo leaderboard` writes ``leaderboards/README.md`` and the figures from results.jsonl;
+`memzoo bench` prints the same tables of the rows it measured. Each suite's half is a module
+here (``report.toys``, ...): ``tables(df)``, ``figures(df, out_dir)``, ``NOTE`` (the reading
+note: protocol text, no measured number) and optionally ``notes(rows, published)`` (lines
+printed under a run's tables). The suites themselves (``bench/suites/``) only measure.
 
 Rendering reads nothing but results.jsonl, so the published tables and plots can always be
 regenerated and checked: the same file gives the same bytes (sorted rows, no clock, PNGs
@@ -9,12 +15,22 @@ behind the tables.
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 from pathlib import Path
+from types import ModuleType
 
-from memzoo.bench.common import RESULTS, read_results
+from memzoo.bench.common import BASELINE, CONTROLS, RESULTS, read_results
 from memzoo.bench.suites import NAMES, suite
 from memzoo.storage import write_text
+
+
+def module(name: str) -> ModuleType:
+    """The report half of suite `name` (imported on first use)."""
+    if name not in NAMES:
+        raise ValueError(f"unknown suite {name!r}; valid suites: {', '.join(NAMES)}")
+    return importlib.import_module(f"{__name__}.{name}")
 
 _DROP = ("config", "versions", "hardware")  # provenance kept in results.jsonl, not in the tables
 
@@ -40,7 +56,7 @@ def _groups(rows: list[dict], with_rows: bool = False):
     for name in NAMES:
         for preset in sorted({r["preset"] for r in rows if r["suite"] == name}):
             sub = [r for r in rows if r["suite"] == name and r["preset"] == preset]
-            yield (name, preset, suite(name), frame(sub)) + ((sub,) if with_rows else ())
+            yield (name, preset, module(name), frame(sub)) + ((sub,) if with_rows else ())
 
 
 def machine(r: dict) -> str:
@@ -105,11 +121,11 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
     ]
     for name, preset, mod, df, shown in _groups(rows, with_rows=True):
         lines += [f"## {name} — preset `{preset}`", ""]
-        doc = (mod.__doc__ or "").strip().split("\n\n")[0]
+        doc = (suite(name).__doc__ or "").strip().split("\n\n")[0]  # what the suite measures
         lines += [doc, "", provenance(shown), ""]
         for title, table in mod.tables(df).items():
             lines += [f"**{title}**", "", markdown(table), ""]
-        note = getattr(mod, "EXPLANATION", None)
+        note = getattr(mod, "NOTE", None)
         if note:
             lines += [note.strip(), ""]
         for path in mod.figures(df, out / "figures" / preset):
@@ -139,3 +155,78 @@ def _runs_table(rows: list[dict]) -> list[str]:
             f"{', '.join(sorted(d['suites']))} | {len(d['layers'])} | {d['rows']} | {d['wall_s']:.0f} |"
         )
     return out
+
+
+def print_tables(rows: list[dict]) -> None:
+    """The tables of `rows`, as `memzoo bench` prints them at the end of a run."""
+    for name, preset, title, table in suite_tables(rows):
+        print(f"### {name} ({preset}): {title}\n")
+        print(markdown(table))
+        print()
+
+
+def print_notes(rows: list[dict], published: list[dict], suites: list[str]) -> None:
+    """What each suite's report says of a run's rows beside the published ones (toys: what a
+    short budget can show), under the run's tables."""
+    for s in suites:
+        if lines := getattr(module(s), "notes", lambda rows, published: [])(rows, published):
+            print("\n".join(lines) + "\n")
+
+
+# ---- helpers of the suites' tables and figures ---------------------------------------------------
+
+
+def beyond(lo: float, hi: float, ref_lo: float, ref_hi: float) -> str:
+    """' ▲' / ' ▼' where the interval [lo, hi] lies wholly above / below [ref_lo, ref_hi] (the
+    baseline's), else '': intervals that touch are no difference."""
+    return " ▲" if lo > ref_hi else " ▼" if hi < ref_lo else ""
+
+
+def with_seed(df):
+    """The frame with a ``seed`` column (frames made without one: every row seed 0), so that the
+    tables can count and aggregate training seeds."""
+    return df if "seed" in df else df.assign(seed=0)
+
+
+def shared_count(values):
+    """The count every seed shares (an int: passages, samples, steps), else their range 'lo-hi':
+    seeds run with different settings show as such, not as one of them."""
+    vals = sorted({int(v) for v in values if not math.isnan(float(v))})
+    return vals[0] if len(vals) == 1 else f"{vals[0]}-{vals[-1]}" if vals else float("nan")
+
+
+def fewer_seeds(k: int, n: int) -> str:
+    """' (k of n seeds)' for a cell with fewer seeds than its layer's row, else '': a cell never
+    passes for all of a layer's trainings when it holds only some."""
+    return f" ({k} of {n} seeds)" if k < n else ""
+
+
+def with_texts(table, texts: dict):
+    """`table` with the cells in `texts` ({(index, column): text}, e.g. a mean with its interval
+    over seeds) written in; in a column that gets one, the other numbers are printed as tabulate
+    prints a float ('g'), so that a one-seed cell reads as it did in a column of numbers."""
+    table = table.copy()
+    for col in dict.fromkeys(c for _, c in texts):
+        table[col] = [texts[(i, col)] if (i, col) in texts else format(v, "g") if isinstance(v, float) else v
+                      for i, v in zip(table.index, table[col])]
+    return table
+
+
+def layer_order(names) -> list[str]:
+    """Layer names for tables and figures: the baseline first, then the layers by name, then
+    the controls."""
+    return sorted(set(names), key=lambda n: (n != BASELINE, n in CONTROLS, n))
+
+
+def save_png(fig, path: str | Path) -> Path:
+    """Save a matplotlib figure so that the same data gives the same bytes: Agg, fixed dpi, no
+    software/date metadata."""
+    import matplotlib.pyplot as plt
+
+    from memzoo.storage import save_figure
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_figure(fig, path, dpi=100, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return path
