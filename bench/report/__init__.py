@@ -125,9 +125,9 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
         lines += [doc, "", provenance(shown), ""]
         for title, table in mod.tables(df).items():
             lines += [f"**{title}**", "", markdown(table), ""]
-        note = getattr(mod, "NOTE", None)
-        if note:
-            lines += [note.strip(), ""]
+        note = [getattr(mod, "NOTE", "").strip(), *getattr(mod, "reading", lambda df: [])(df)]
+        if any(note):
+            lines += ["\n".join(n for n in note if n), ""]
         for path in mod.figures(df, out / "figures" / preset):
             written.append(path)
             lines += [f"![{path.stem}]({path.relative_to(out).as_posix()})", ""]

@@ -9,48 +9,18 @@ from memzoo.bench.report import beyond, fewer_seeds, layer_order, save_png, shar
 
 #: printed under the NIAH tables of the leaderboard
 NOTE = """**Reading the NIAH numbers.** Exact match is all six digits right, with a 95% Wilson interval
-over the samples (48 per cell in the standard preset, so a cell reads to about ±7 points at 0% or
-100% and ±14 in between; ▲/▼: the interval lies wholly above/below the baseline's). *Digits right*
-(chance 10%; with its 95% t-interval over the samples, marked the same way) and the *answer loss*
-(chance ln 10 = 2.303 nats per digit) are graded signals. *seeds*: the LMs (training seeds) behind
-a row. A cell of one seed has the intervals above, over its samples; a cell of several is the
-seeds' mean with a 95% t-interval over the trainings (for exact match and digits on the logit
-scale, so it stays within 0-100%; for the answer loss ± its half-width), marked against the
-baseline's interval over its trainings where the baseline has several seeds too (a one-seed cell:
-against the baseline's row of the same seed). The controls must pass in every seed.
-
-*Standard preset*: the memory the only route. Every mixer of the LMs' backbone is a 4-token
-sliding window (4 blocks reach 12 tokens back; a needle's digits lie at least 22 tokens before
-their answer), so the backbone alone cannot copy a needle: a row above it got the needle through
-its memory. LMs of 1M parameters trained for 2000 steps on 128-token needle windows (4.1M tokens;
-one needle per haystack). The positive control, full attention with a short convolution, finds the
-needle in 100% of the 96-token haystacks [93, 100]; the negative control (no mixer) and the backbone
-alone (the 4-token windows) answer at chance (digits 9-11%, answer loss 2.29-2.30: a constant
-guess), which is what makes the setting valid. Beyond its 128-token training windows attention
-fails (1K: 0%, 4K: 0%, answer loss 6-8 nats), as RoPE attention does at positions it never saw.
-The controls read each haystack once (n-iter is a memory's).
-
-FWL recalls through its fast weights alone: 100% at 96 tokens, 92% at 1K (8x its training windows),
-21% at 4K (digits 62%); its fast weights take a gradient step of the LM loss on every token read
-(it needs the next tokens as targets; the answer does not leak through them: with the answer's
-tokens replaced by random digits its first digit was right in 16/16 haystacks at 1K, checked behind
-the earlier GDN backbone),
-so a second pass over the haystack buries the needle under more steps (1K: 92 -> 73 -> 67 -> 56%).
-FwPKM with a memory per sequence (`fwpkm/seq`, block 0, chunk 16) gets a third of the digits at
-every length (36% at 96 tokens, 31% at 4K; ▲ against the windows' 9-11%) but no haystack whole,
-and a second and third pass add digits at 1K and 4K (4K: 30.6 -> 35.4 -> 36.8 -> 37.8%). The
-paper's FwPKM (its memory shared by the batch), FwMLP, MoM, LaCT, Ba, linear attention and PKM sit
-at chance: their LMs' training loss is the windows' (1.88-1.93 nats against 1.91), i.e. in this
-budget they did not learn to read a needle back (for FwPKM the suite's docstring says why: the
-batch's shared memory buries a training question's needle). What these numbers cannot show: recall
-among several needles, and anything at the paper's scale. Every LM is trained for a fixed budget
-(capped at 2000 steps, not to convergence). The numbers quoted here are training seed 0's; a row of
-one seed has intervals over the haystacks, not over trainings, so its LM's seed-to-seed spread is
-not in them, while a row of several seeds has its interval over their trainings.
-
-*Tiny preset* (200 LM steps, 30% needle windows): every model answers at chance. Read the tiny
-rows as a check of the harness (n-iter passes with the update chunk stretched to the haystack,
-lengths, throughput, peak RSS), not of the layers."""
+over the samples (▲/▼: the interval lies wholly above/below the baseline's). *Digits right* (chance
+one in ten; with its 95% t-interval over the samples, marked the same way) and the *answer loss*
+(chance ln 10 nats per digit) are graded signals. *seeds*: the LMs (training seeds) behind a row. A
+cell of one seed has the intervals above, over its samples; a cell of several is the seeds' mean
+with a 95% t-interval over the trainings (for exact match and digits on the logit scale, so it
+stays within 0-100%; for the answer loss ± its half-width), marked against the baseline's interval
+over its trainings where the baseline has several seeds too (a one-seed cell: against the
+baseline's row of the same seed). The controls must pass in every seed, and read each haystack
+once (n-iter is a memory's). Where the LMs' mixers are 4-token windows (the standard preset), the
+backbone alone cannot copy a needle, so a row above it got the needle through its memory. What
+these numbers cannot show: recall among several needles, and anything at the paper's scale. The
+findings behind the rows, with their history: docs/niah.md."""
 
 
 # ---- leaderboard ------------------------------------------------------------------------------
@@ -190,7 +160,7 @@ def tables(df) -> dict:
         t = with_texts(t, texts)
         t.insert(0, "seeds", [seeds[layer] for layer in order])
         over = "; ± 95% interval over trainings where seeds > 1" if several else ""
-        out[f"NIAH answer NLL (nats per answer token; chance 2.303{over}), length x n-iter"] = t
+        out[f"NIAH answer NLL (nats per answer token; chance ln 10{over}), length x n-iter"] = t
     one = df.sort_values("setting.n_iter").groupby(["layer", "setting.length", "seed"], as_index=False).first()
     per_len = one.groupby(["layer", "setting.length"], as_index=False).agg(
         seeds=("seed", "size"), samples=("metrics.n_samples", shared_count), tps=("metrics.tokens_per_s", "mean"),
@@ -280,3 +250,30 @@ def figures(df, out_dir: Path) -> list[Path]:
     fig.tight_layout()
     paths.append(save_png(fig, out_dir / "niah_depth.png"))
     return paths
+
+
+def reading(df) -> list[str]:
+    """The reading note's lines computed from the section's rows: the controls' results, the
+    LMs' budget and how many training seeds the rows have."""
+    df = with_seed(df)
+    out = []
+    pos = df[(df["layer"] == POSITIVE) & (df["setting.n_iter"] == 1)]
+    if "metrics.inside_training" in pos:
+        pos = pos[pos["metrics.inside_training"].fillna(False).astype(bool)]
+        for length, g in pos.groupby("setting.length"):
+            accs = ", ".join(f"{100 * a:.0f}%" for a in g.sort_values("seed")["metrics.accuracy"])
+            out.append(f"The positive control finds the needle in {accs} of the {_len_label(int(length))}-token haystacks "
+                       f"(inside its training length; seeds {', '.join(map(str, sorted(g['seed'])))}).")
+    chance = df[df["layer"].isin([NEGATIVE, BASELINE])]
+    if not chance.empty:
+        lo, hi = 100 * chance["metrics.digit_accuracy"].min(), 100 * chance["metrics.digit_accuracy"].max()
+        out.append(f"The negative control and the backbone alone get {lo:.0f}-{hi:.0f}% of the digits (chance: one in ten; "
+                   f"the harness holds them under twice that).")
+    if "metrics.lm_steps" in df and df["metrics.lm_steps"].notna().any():
+        steps = sorted({int(v) for v in df["metrics.lm_steps"].dropna()})
+        out.append(f"Every LM trained a fixed budget of {' or '.join(map(str, steps))} steps, not to convergence.")
+    seeds = df.groupby("layer")["seed"].nunique()
+    several = sorted(seeds[seeds > 1].index, key=layer_order(seeds.index).index)
+    out.append(f"Training seeds: {', '.join(f'{n} ({seeds[n]})' for n in several)}; every other row one."
+               if several else "Every row is one training seed: its intervals are over haystacks, not trainings.")
+    return out

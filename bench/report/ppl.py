@@ -10,43 +10,20 @@ from memzoo.bench.suites.ppl import MODES, POSITIONS
 
 #: printed under the ppl tables of the leaderboard
 NOTE = """**Reading the PPL numbers.** Loss in nats per token (bytes) on held-out text, batch 1 in
-document order, 256-token sequences. *gain* (reset - carry) is what fast weights carried from the
-document's earlier sequences are worth; the baseline and the controls carry nothing, so their
-gains are 0 by construction (a check of the harness); ▲/▼ where the 95% interval excludes 0. *seeds*:
-the LMs (training seeds) behind a row. A cell of one seed is its LM's, the interval of its gain
-over sequences (a document's sequences are correlated: read it as a guide) or, in the probe, over
+document order. *gain* (reset - carry) is what fast weights carried from the document's earlier
+sequences are worth; the baseline and the controls carry nothing, so their gains are 0 by
+construction (a check of the harness); ▲/▼ where the 95% interval excludes 0. *seeds*: the LMs
+(training seeds) behind a row. A cell of one seed is its LM's, the interval of its gain over
+sequences (a document's sequences are correlated: read it as a guide) or, in the probe, over
 passages; a cell of several seeds is their mean ± a 95% t-interval over the trainings (for
 perplexity, exp of the mean loss and of its interval), marked against the baseline's interval over
-its trainings where the baseline has several seeds too. The positive control must copy in every
-seed.
-
-*Standard preset*: the memory the only route. Every mixer of the LMs' backbone is a 4-token
-sliding window (12 tokens of reach over 4 blocks), and each sequence's backbone starts empty, so a
-carried gain, and the probe's, come through the memory alone. The repeated-passage probe is the
-test with a known answer: the attention control, which keeps the first reading in its KV cache,
-predicts a held-out sonnet's second reading 0.726 ± 0.024 nats/token better than its first (1.533
--> 0.807): the harness can train and measure recall of a passage. A memory layer's probe gain is
-what its fast weights alone carry of a 128-token passage into a new sequence; read it against the
-control's.
-
-Measured (standard): FWL carries the passage best of all, the control included (+1.27 ± 0.04), but
-its carried state hurts on the plays (-0.39 ± 0.03): trained with its state reset per sequence, its
-fast weights drift over a long document; LaCT likewise (probe +0.20, plays -0.25). MoM's carried
-state helps on the plays and the sonnets (+0.0069 ± 0.0015, +0.0086 ± 0.0032) and carries nothing
-of a passage. FwPKM, trained on its documents in order, carries a little (probe +0.010 ± 0.001,
-1.4% of the control's; plays +0.0003 ± 0.0007). Linear attention: probe +0.011 ± 0.006, plays
--0.021. PKM has no fast weights (gains 0); Ba and FwMLP carry nothing usable.
-
-What these numbers can show at this scale: whether a memory carries anything usable from one
-sequence to the next, and how much of the control's recall it recovers. What they cannot: the
-paper's gains on 4K-token sequences with LMs of 100M+ parameters. The standard LMs have 1M
-parameters and saw 6.1M tokens, half of their windows reading a passage twice (without those no
-LM here learned to copy at all: the suite's docstring), so their losses are not those of
-plain-text LMs. Every standard LM is trained for a fixed budget (capped at 1500 steps, not to
-convergence). The numbers quoted here are training seed 0's; a row of one seed has intervals over
-sequences or passages, not over trainings, while a row of several seeds has its intervals over
-their trainings.
-The tiny preset (200 steps, no controls) is a check of the harness; its probe rows are withheld."""
+its trainings where the baseline has several seeds too. The repeated-passage probe is the test with
+a known answer: the attention control keeps a passage's first reading in its KV cache and must
+predict its second reading better in every seed; a memory layer's probe gain is what its fast
+weights alone carry of the passage into a new sequence, read against the control's. Where the LMs'
+mixers are 4-token windows (the standard preset), a carried gain comes through the memory alone.
+What these numbers cannot show: the paper's gains on 4K-token sequences with LMs of 100M+
+parameters. The findings behind the rows, with their history: docs/ppl.md."""
 
 
 # ---- leaderboard ------------------------------------------------------------------------------
@@ -277,3 +254,24 @@ def figures(df, out_dir: Path) -> list[Path]:
     fig.tight_layout()
     paths.append(save_png(fig, out_dir / "ppl.png"))
     return paths
+
+
+def reading(df) -> list[str]:
+    """The reading note's lines computed from the section's rows: the positive control's probe,
+    the LMs' budget and how many training seeds the rows have."""
+    df = with_seed(df)
+    out = []
+    pos = df[(df["layer"] == POSITIVE) & (df["setting.corpus"] == "repeat")]
+    for _, r in pos.sort_values("seed").iterrows():
+        out.append(f"The positive control predicts a passage's second reading {r['metrics.gain']:+.3f} ± "
+                   f"{r['metrics.gain_half']:.3f} nats/token better than its first (seed {r['seed']}).")
+    if pos.empty and (df["setting.corpus"] == "repeat").any():
+        out.append("The probe ran without its positive control: its rows are withheld.")
+    if "metrics.lm_steps" in df and df["metrics.lm_steps"].notna().any():
+        steps = sorted({int(v) for v in df["metrics.lm_steps"].dropna()})
+        out.append(f"Every LM trained a fixed budget of {' or '.join(map(str, steps))} steps, not to convergence.")
+    seeds = df.groupby("layer")["seed"].nunique()
+    several = sorted(seeds[seeds > 1].index, key=layer_order(seeds.index).index)
+    out.append(f"Training seeds: {', '.join(f'{n} ({seeds[n]})' for n in several)}; every other row one."
+               if several else "Every row is one training seed: its intervals are over sequences or passages, not trainings.")
+    return out

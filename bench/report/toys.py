@@ -137,10 +137,9 @@ def _task_table(df, task: str, slice_name: str):
             if "metrics.sequences" in g and g["metrics.sequences"].notna().all():
                 rec["left chance at"] = _left_at(g)
                 rec["budget (max)"] = f"{_count(g['metrics.sequences'].median())} ({_count(g['metrics.sequences'].max())})"
-            else:  # rows of protocol 2 and before kept no validation history
+            else:  # rows of protocol 2 and before kept no validation history, nor their budget in sequences
                 rec["left chance at"] = ""
-                rec["budget (max)"] = (f"{_count(g['metrics.steps'].median() * _batch(g))} "
-                                       f"({_count(g['metrics.steps'].max() * _batch(g))})")
+                rec["budget (max)"] = f"{int(g['metrics.steps'].median())} steps ({int(g['metrics.steps'].max())})"
             stops = g["metrics.stop"].value_counts()
             rec["stop"] = ", ".join(f"{n} {k}" for k, n in sorted(stops.items()))
             rec["lr"] = _lrs(g)
@@ -158,11 +157,6 @@ def _count(n) -> str:
         if n >= div:
             return f"{n / div:.3g}{unit}"
     return f"{n:.0f}"
-
-
-def _batch(g) -> int:
-    """The training batch of a group's rows (from their config)."""
-    return int(g["config.train.batch_size"].iloc[0]) if "config.train.batch_size" in g else 0
 
 
 def _left_at(g) -> str:
@@ -388,3 +382,18 @@ task whose controls fail is not drawn, nor a layer with fewer seeds than the bas
     fig.tight_layout()
     paths.append(save_png(fig, Path(out_dir) / "toys_mqar_state.png"))
     return paths
+
+
+def reading(df) -> list[str]:
+    """The reading note's lines computed from the section's rows: how the trainings stopped, and
+    which layers' rows are statements about their budget (at chance or capped in every seed)."""
+    out = []
+    stops = df["metrics.stop"].value_counts()
+    out.append("Stops: " + ", ".join(f"{n} {k}" for k, n in sorted(stops.items())) + ".")
+    if "metrics.sequences" in df:
+        short = df[df["metrics.stop"].isin(["chance", "capped"]) & ~df["layer"].isin(CONTROLS)]
+        for layer, g in sorted(short.groupby("layer"), key=lambda kv: layer_order(short["layer"]).index(kv[0])):
+            if (df["layer"] == layer).sum() == len(g):
+                out.append(f"{layer}: every seed stopped {' or '.join(sorted(set(g['metrics.stop'])))} "
+                           f"through {_count(g['metrics.sequences'].max())} sequences: a statement about that budget.")
+    return out

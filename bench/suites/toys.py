@@ -91,7 +91,8 @@ from memzoo.config import ConfigError, ModelConfig, TrainConfig
 from memzoo.data import assoc_retrieval as ar
 from memzoo.data import mqar
 from memzoo.registry import get_layer
-from memzoo.train import lr_at, make_step, param_groups
+from memzoo.storage import torch_save
+from memzoo.train import fit, lr_at, make_step, param_groups
 
 NAME = "toys"
 TASKS = ("mqar", "ar")
@@ -414,7 +415,7 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
                      betas=(0.9, 0.98), grad_clip=s.grad_clip, precision=s.precision, compile=s.compile)  # Zoology's betas
     opt = torch.optim.AdamW(param_groups(model, tc), lr=lr, betas=tc.betas)
     g = torch.Generator().manual_seed(seed)
-    best, best_state, stale, stop, start = -1.0, None, 0, "capped", 0
+    best, best_state, stale, start = -1.0, None, 0, 0
     losses, history = [], []
     if checkpoint is not None and checkpoint.is_file():
         c = torch.load(checkpoint, map_location=device, weights_only=False)
@@ -428,12 +429,12 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
         torch._dynamo.reset()
     train_step = make_step(model, opt, tc.grad_clip, tc.precision, tc.compile)
     tokens, busy, first, evals, shapes, saved = 0, 0.0, 0.0, 0.0, set(), time.monotonic()
-    model.train()
-    step = start - 1
-    for step in range(start, s.max_steps):
-        x, y = (t.to(device) for t in task.batch(step, g))  # drawn on the CPU: the same data anywhere
+
+    def one_step(i: int) -> float:
+        nonlocal tokens, busy, first
+        x, y = (t.to(device) for t in task.batch(i, g))  # drawn on the CPU: the same data anywhere
         t0 = time.perf_counter()
-        loss = train_step([(x, y)], lr_at(step, tc))
+        loss = train_step([(x, y)], lr_at(i, tc))
         if x.shape in shapes:  # the first step of each shape compiles (with `compile`): not in the throughput
             busy += time.perf_counter() - t0
             tokens += x.numel()
@@ -441,47 +442,49 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
             first += time.perf_counter() - t0
         shapes.add(x.shape)
         losses.append(loss)
+        return loss
+
+    def after_step(n: int, loss: float) -> str | None:
         if on_step is not None:
             on_step()
-        if not math.isfinite(loss):
-            stop = "diverged"
-            break
-        if (step + 1) % s.eval_every and step + 1 < s.max_steps:
-            continue
+        return None if math.isfinite(loss) else "diverged"
+
+    def validate(n: int) -> str | None:
+        nonlocal evals, best, best_state, stale
         t0 = time.perf_counter()
         acc = evaluate(model, task.val, s.batch_size)
         evals += time.perf_counter() - t0
         val = sum(acc.values()) / len(acc)
         tail = losses[-s.eval_every:]
-        history.append({"step": step + 1, "sequences": (step + 1) * s.batch_size, "val": round(val, 4), "by_slice": {str(n): round(a, 4) for n, a in acc.items()},
-                        "train_loss": round(sum(tail) / len(tail), 4)})
+        history.append({"step": n, "sequences": n * s.batch_size, "val": round(val, 4),
+                        "by_slice": {str(k): round(a, 4) for k, a in acc.items()}, "train_loss": round(sum(tail) / len(tail), 4)})
         stale = 0 if val >= best + s.min_delta else stale + 1
         if val > best:
             best, best_state = val, copy.deepcopy(model.state_dict())
         if solved(acc, s):
-            stop = "solved"
-            break
-        if step + 1 >= s.max_steps:
-            break
-        if stale >= s.patience and step + 1 >= s.min_steps and not falling(losses, s):
-            stop = "chance" if best <= 2 * task.chance else "plateau"  # at chance: the flat phase may go on
-            break
-        if checkpoint is not None and time.monotonic() - saved > CHECKPOINT_EVERY_S:
-            from memzoo.storage import torch_save
+            return "solved"
+        if n < s.max_steps and stale >= s.patience and n >= s.min_steps and not falling(losses, s):
+            return "chance" if best <= 2 * task.chance else "plateau"  # at chance: the flat phase may go on
+        return None
 
+    def end_step(n: int, evaluated: bool) -> None:
+        nonlocal saved
+        if checkpoint is not None and evaluated and n < s.max_steps and time.monotonic() - saved > CHECKPOINT_EVERY_S:
             torch_save({"model": model.state_dict(), "opt": opt.state_dict(), "generator": g.get_state(),
-                        "rng": torch.get_rng_state(), "best": best,
-                         "best_state": best_state, "stale": stale, "step": step + 1, "losses": losses,
-                         "history": history}, checkpoint)
+                        "rng": torch.get_rng_state(), "best": best, "best_state": best_state, "stale": stale, "step": n,
+                        "losses": losses, "history": history}, checkpoint)
             saved = time.monotonic()
+
+    model.train()
+    steps, stop = fit(one_step, s.max_steps, start=start, every=s.eval_every, after_step=after_step, evaluate=validate,
+                      end_step=end_step)
     if checkpoint is not None:
         checkpoint.unlink(missing_ok=True)
     if best_state is not None:
         model.load_state_dict(best_state)
     tail = losses[-s.eval_every:]
-    return Fit(model, max(best, 0.0), step + 1, stop, sum(tail) / len(tail), tokens / max(busy, 1e-9), first, evals,
-               history)
-
+    return Fit(model, max(best, 0.0), steps, stop or "capped", sum(tail) / len(tail), tokens / max(busy, 1e-9), first,
+               evals, history)
 
 def left_chance_at(history: list[dict], chance: float) -> int | None:
     """Sequences trained before the first evaluation whose validation accuracy (the slices' mean)
