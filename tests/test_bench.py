@@ -479,6 +479,27 @@ def test_each_published_table_says_what_its_rows_mix():
     assert "**mixes protocol versions** 2 (3), 1 (1)" in line
 
 
+def test_no_table_mixes_machine_models_or_protocols():
+    """Rows of one suite and preset on two machines (or of two protocol versions) are two sections,
+    each named by its machine (and protocol); the latest row of a measurement decides where it is
+    shown, so a measurement repeated on another machine leaves the first machine's section."""
+    from memzoo.bench.report import _groups, section_name
+
+    def row(layer, cpu, t, version=3, gpu=None, seed=0):
+        return {"suite": "cost", "preset": "paper", "layer": layer, "setting": {}, "seed": seed, "time": t, "run_id": t,
+                "metrics": {"params": 1}, "hardware": {"cpu": cpu, **({"gpu": gpu} if gpu else {})},
+                "config": {"version": version}, "git_sha": "a" * 40}
+
+    rows = [row("baseline", "AMD EPYC", "1"), row("fwpkm", "AMD EPYC", "2"), row("fwpkm", "x", "3", gpu="NVIDIA H200"),
+            row("pkm", "AMD EPYC", "4", version=2)]
+    sections = [(sorted(df["layer"]), section_name(n, p, shown, rows)) for n, p, _, df, shown in _groups(rows, with_rows=True)]
+    assert sections == [(["pkm"], "cost — preset `paper` — AMD EPYC, protocol 2"),
+                        (["baseline"], "cost — preset `paper` — AMD EPYC, protocol 3"),
+                        (["fwpkm"], "cost — preset `paper` — NVIDIA H200, protocol 3")]
+    one = [r for r in rows if r["layer"] == "baseline"]
+    assert [section_name(n, p, shown, one) for n, p, _, _, shown in _groups(one, with_rows=True)] == ["cost — preset `paper`"]
+
+
 def test_a_torn_last_row_is_skipped_with_a_warning_and_the_next_row_starts_its_own_line(tmp_path):
     rec = Recorder(tmp_path, "tiny", 0)
     rec.add("cost", "baseline", {"b": 1}, {"x": 1.0}, {"c": 1}, 0.1)

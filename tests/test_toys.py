@@ -311,7 +311,7 @@ def test_solved_on_the_mean_or_on_every_slice():
         toys.Settings(solve_on="min").check()
     task = toys.Task("mqar", toys.Settings(val_size=2, test_size=2))
     mc = toys.toy_config(load_preset("tiny"), BASELINE, 16, task.vocab, toys.Settings())
-    assert "solve_on" not in toys.cell_config(mc, task.name, toys.Settings(), BASELINE)["train"]  # earlier rows' hashes stay
+    assert toys.cell_config(mc, task.name, toys.Settings(), BASELINE)["train"]["solve_on"] == "mean"
     assert toys.cell_config(mc, task.name, toys.Settings(solve_on="every"), BASELINE)["train"]["solve_on"] == "every"
 
 
@@ -331,7 +331,8 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     assert {(r["layer"], r["seed"]) for r in saved} == {(m, s) for m in models for s in (0, 1)}
     for r in rows:
         m = r["metrics"]
-        assert r["suite"] == "toys" and set(r["setting"]) == {"task", "d_model"}
+        assert r["suite"] == "toys" and r["setting"] == {"task": r["setting"]["task"], "d_model": r["setting"]["d_model"],
+                                                          "route": "hybrid"}
         assert 0.0 <= m["accuracy"] <= 1.0 and f"{m['lr']:g}" in m["val_by_lr"]
         # the grid, and past its edge only where the lr chosen there left chance
         assert {"0.01", "0.03"} <= set(m["val_by_lr"]) <= {"0.01", "0.03", "0.09", "0.27", "0.00333333", "0.00111111"}
@@ -351,7 +352,7 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     base = {(r["setting"]["task"], r["setting"]["d_model"]): r["metrics"] for r in rows if r["layer"] == BASELINE}
     assert base[("mqar", 16)]["gdn_state"] == 2 * 4 * 4 * 4  # 2 GDN layers x 4 heads x 4^2
     assert base[("mqar", 16)]["mem_state"] == 0
-    att = [r["metrics"] for r in rows if r["layer"] == toys.POSITIVE and r["setting"] == {"task": "mqar", "d_model": 16}]
+    att = [r["metrics"] for r in rows if r["layer"] == toys.POSITIVE and r["setting"] == {"task": "mqar", "d_model": 16, "route": "hybrid"}]
     assert att[0]["kv_cache"] == 2 * 2 * 2 * 4 * 16  # 2 layers x (k, v) x 2 kv heads x head 4 x 16 tokens
     fw = [r["metrics"] for r in rows if r["layer"] == "fwpkm"]  # a memory per sequence (tiny's toys)
     assert all(not m["state_shared"] and m["mem_state"] == 64 * 64 * 64 + 2 * 64 * 32 for m in fw)
@@ -374,7 +375,7 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     one.mkdir()
     (one / "results.jsonl").write_text("".join(
         json.dumps(r) + "\n" for r in rows if r["layer"] == "fwpkm" and r["seed"] == 0
-        and r["setting"] == {"task": "mqar", "d_model": 16}))
+        and r["setting"] == {"task": "mqar", "d_model": 16, "route": "hybrid"}))
     half = {p: g for p, _, g in toys.parts(_ctx(one, resume=True), "fwpkm")}
     assert half[("fwpkm", "mqar", 16, 0)] is None and half[("fwpkm", "mqar", 16, 1)] == ("fwpkm", "mqar", 16)
     alone = toys.run(_ctx(tmp_path / "part"), ["fwpkm"], only=[parts[-1][0]])

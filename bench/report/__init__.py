@@ -50,13 +50,43 @@ def frame(rows: list[dict]):
 
 
 def _groups(rows: list[dict], with_rows: bool = False):
-    """(suite, preset, module, DataFrame) for every suite and preset present, in the suites' order
-    (and the rows themselves, with `with_rows`)."""
+    """(suite, preset, module, DataFrame) for every table section, in the suites' order (and the
+    rows themselves, with `with_rows`). A section is one suite and preset on one machine model and
+    one protocol version: the latest row of each measurement decides where it is shown, and rows
+    of other machines or protocols become a section of their own (named by `section_name`), never
+    mixed into one table."""
     rows = latest(rows)
     for name in NAMES:
         for preset in sorted({r["preset"] for r in rows if r["suite"] == name}):
             sub = [r for r in rows if r["suite"] == name and r["preset"] == preset]
-            yield (name, preset, module(name), frame(sub)) + ((sub,) if with_rows else ())
+            for key in sorted({_kind(r) for r in sub}):
+                part = [r for r in sub if _kind(r) == key]
+                yield (name, preset, module(name), frame(part)) + ((part,) if with_rows else ())
+
+
+def _kind(r: dict) -> tuple[str, str]:
+    """(machine model, protocol version) of a row: what a table may not mix."""
+    return machine(r), str(r.get("config", {}).get("version", ""))
+
+
+def _folder(section: str, preset: str) -> str:
+    """A section's figure folder: the preset's name, with the machine and protocol of a section
+    that shares its preset with others."""
+    import re
+
+    extra = section.split(f"`{preset}`", 1)[1].strip(" —")
+    return preset + ("-" + re.sub(r"[^a-z0-9]+", "-", extra.lower()).strip("-") if extra else "")
+
+
+def section_name(name: str, preset: str, rows: list[dict], all_rows: list[dict]) -> str:
+    """The heading of a section: suite and preset, and the machine model and protocol version where
+    the suite and preset have rows of several."""
+    kinds = {_kind(r) for r in latest(all_rows) if r["suite"] == name and r["preset"] == preset}
+    head = f"{name} — preset `{preset}`"
+    if len(kinds) > 1:
+        m, v = _kind(rows[0])
+        head += f" — {m}" + (f", protocol {v}" if len({k[1] for k in kinds}) > 1 and v else "")
+    return head
 
 
 def machine(r: dict) -> str:
@@ -120,7 +150,7 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
         "",
     ]
     for name, preset, mod, df, shown in _groups(rows, with_rows=True):
-        lines += [f"## {name} — preset `{preset}`", ""]
+        lines += [f"## {section_name(name, preset, shown, rows)}", ""]
         doc = (suite(name).__doc__ or "").strip().split("\n\n")[0]  # what the suite measures
         lines += [doc, "", provenance(shown), ""]
         for title, table in mod.tables(df).items():
@@ -128,7 +158,7 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
         note = [getattr(mod, "NOTE", "").strip(), *getattr(mod, "reading", lambda df: [])(df)]
         if any(note):
             lines += ["\n".join(n for n in note if n), ""]
-        for path in mod.figures(df, out / "figures" / preset):
+        for path in mod.figures(df, out / "figures" / _folder(section_name(name, preset, shown, rows), preset)):
             written.append(path)
             lines += [f"![{path.stem}]({path.relative_to(out).as_posix()})", ""]
     lines += ["## Runs", "", *_runs_table(rows), ""]

@@ -499,21 +499,17 @@ def solved(acc: dict[int, float], s: Settings) -> bool:
 
 def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
     """Everything one cell's numbers depend on (its hash decides whether a resumed run skips it)."""
-    data = ({"vocab": s.mqar_vocab, "seq_len": s.mqar_seq_len, "kv": s.mqar_kv, "power_a": s.power_a}
+    data = ({"vocab": s.mqar_vocab, "seq_len": s.mqar_seq_len, "kv": s.mqar_kv, "power_a": s.power_a, "gap": s.mqar_gap}
             if task == "mqar" else {"pairs": s.ar_pairs})
-    if task == "mqar" and s.mqar_gap:  # left out at 0: the rows recorded before the option keep their hashes
-        data["gap"] = s.mqar_gap
     keep = ("max_steps", "min_steps", "eval_every", "patience", "min_delta", "loss_delta", "target", "batch_size", "warmup",
-            "min_lr_ratio", "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size")
+            "min_lr_ratio", "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size", "solve_on")
     train = {k: getattr(s, k) for k in keep}
-    if s.solve_on != "mean":  # the default is left out: the rows recorded before the option keep their hashes
-        train["solve_on"] = s.solve_on
     config = {"model": mc.to_dict(), "task": task, "data": data, "lrs": s.candidates(layer), "train": train,
               "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 3,
               # 3: no plateau stop while the loss falls; an lr chosen at the grid's edge tries the next beyond it
               "lr_beyond_edge": MAX_BEYOND}
-    if any(get_layer(name).needs_targets for name in mc.memory):  # FWL's losses against the next tokens, not the
-        config["memory_targets"] = "next"  # task's labels (HybridLM.forward): rows from before have another hash
+    if any(get_layer(name).needs_targets for name in mc.memory):  # FWL learns from the next tokens, not the
+        config["memory_targets"] = "next"  # task's labels (HybridLM.forward)
     return config
 
 
@@ -521,9 +517,7 @@ def cell_key(ctx: Context, s: Settings, name: str, task: str, width: int, seed: 
     """(model config, config, setting, the row already recorded or None) of one cell."""
     mc = toy_config(ctx.preset, name, width, Task.vocab_of(task, s), s)
     check_route(mc, name, s)
-    config, setting = cell_config(mc, task, s, name), {"task": task, "d_model": width}
-    if s.route == "memory":  # (absent otherwise: the hybrid rows recorded before the option keep their settings)
-        setting["route"] = "memory"
+    config, setting = cell_config(mc, task, s, name), {"task": task, "d_model": width, "route": s.route}
     return mc, config, setting, ctx.recorded(NAME, name, setting, config, seed)
 
 
