@@ -439,7 +439,7 @@ class Context:
                                                            "log": str(log)}, setting, 0.0)
 
 
-# ---- rendering helpers shared by the suites' tables and figures -------------------------------
+# ---- intervals, shared by measuring (a row's own interval) and the report -----------------------
 
 
 # t_{0.975, n-1} for 95% intervals over n = 2..11 values (above: the normal 1.96)
@@ -493,59 +493,3 @@ def logit_ci(values, ns=None) -> tuple[float, float, float]:
 
 def _sigmoid(x: float) -> float:
     return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
-
-
-def beyond(lo: float, hi: float, ref_lo: float, ref_hi: float) -> str:
-    """' ▲' / ' ▼' where the interval [lo, hi] lies wholly above / below [ref_lo, ref_hi] (the
-    baseline's), else '': intervals that touch are no difference."""
-    return " ▲" if lo > ref_hi else " ▼" if hi < ref_lo else ""
-
-
-def with_seed(df):
-    """The frame with a ``seed`` column (frames made without one: every row seed 0), so that the
-    tables can count and aggregate training seeds."""
-    return df if "seed" in df else df.assign(seed=0)
-
-
-def shared_count(values):
-    """The count every seed shares (an int: passages, samples, steps), else their range 'lo-hi':
-    seeds run with different settings show as such, not as one of them."""
-    vals = sorted({int(v) for v in values if not math.isnan(float(v))})
-    return vals[0] if len(vals) == 1 else f"{vals[0]}-{vals[-1]}" if vals else float("nan")
-
-
-def fewer_seeds(k: int, n: int) -> str:
-    """' (k of n seeds)' for a cell with fewer seeds than its layer's row, else '': a cell never
-    passes for all of a layer's trainings when it holds only some."""
-    return f" ({k} of {n} seeds)" if k < n else ""
-
-
-def with_texts(table, texts: dict):
-    """`table` with the cells in `texts` ({(index, column): text}, e.g. a mean with its interval
-    over seeds) written in; in a column that gets one, the other numbers are printed as tabulate
-    prints a float ('g'), so that a one-seed cell reads as it did in a column of numbers."""
-    table = table.copy()
-    for col in dict.fromkeys(c for _, c in texts):
-        table[col] = [texts[(i, col)] if (i, col) in texts else format(v, "g") if isinstance(v, float) else v
-                      for i, v in zip(table.index, table[col])]
-    return table
-
-
-def layer_order(names) -> list[str]:
-    """Layer names for tables and figures: the baseline first, then the layers by name, then
-    the controls."""
-    return sorted(set(names), key=lambda n: (n != BASELINE, n in CONTROLS, n))
-
-
-def save_png(fig, path: str | Path) -> Path:
-    """Save a matplotlib figure so that the same data gives the same bytes: Agg, fixed dpi, no
-    software/date metadata."""
-    import matplotlib.pyplot as plt
-
-    from memzoo.storage import save_figure
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_figure(fig, path, dpi=100, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return path

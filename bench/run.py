@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memzoo.bench.common import BASELINE, Context, Recorder, check_layers, load_preset
+from memzoo.bench.report import print_notes, print_tables
 from memzoo.bench.suites import NAMES, suite
 from memzoo.config import ConfigError
 
@@ -324,9 +325,7 @@ def run_bench(
     print(f"\nmemzoo bench: {len(rec.rows) - len(failed)} rows in {time.time() - t0:.0f} s -> {rec.path}\n")
     shown = _with_recorded(rec, names, todo) if resume else rec.rows
     print_tables(shown)
-    for s in todo:  # what a suite says of its rows beside the published ones (toys: what a short budget can show)
-        if lines := getattr(suite(s), "notes", lambda rows, published: [])(shown, read_results(rec.path)):
-            print("\n".join(lines) + "\n")
+    print_notes(shown, read_results(rec.path), todo)
     for r in failed:
         print(f"memzoo bench: FAILED {r['setting']['suite']} {r['layer']} {' '.join(map(str, r['setting']['part'] or []))}: "
               f"{r['metrics']['error']} (traceback: {r['metrics']['log']})", file=sys.stderr)
@@ -343,12 +342,3 @@ def _with_recorded(rec: Recorder, names: list[str], suites: list[str]) -> list[d
         return layer in names or layer.split("/")[0] in names or (layer in CONTROLS and BASELINE in names)
 
     return [r for r in read_results(rec.path) if r["preset"] == rec.preset and r["suite"] in suites and ours(r["layer"])]
-
-
-def print_tables(rows: list[dict]) -> None:
-    from memzoo.bench.leaderboard import markdown, suite_tables
-
-    for name, preset, title, table in suite_tables(rows):
-        print(f"### {name} ({preset}): {title}\n")
-        print(markdown(table))
-        print()

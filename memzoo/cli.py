@@ -73,7 +73,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_leaderboard(args) -> int:
-    from memzoo.bench.leaderboard import render
+    from memzoo.bench.report import render
 
     for path in render(Path(args.out) / "results.jsonl"):
         print(path)

@@ -265,6 +265,31 @@ def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: flo
     return step
 
 
+def fit(step, steps: int, *, start: int = 0, every: int = 0, after_step=None, evaluate=None, end_step=None) -> tuple[int, str]:
+    """The one outer training loop of memzoo (`train`, the bench's toy cells and LMs): for each
+    step i from `start` to `steps`, with n = i + 1 steps then done,
+
+    1. ``loss = step(i)`` (the batch of step i at its lr: a `make_step` step),
+    2. ``after_step(n, loss)``: divergence, progress,
+    3. every `every` steps and at the last, ``evaluate(n)``: validation, early stopping,
+    4. ``end_step(n, evaluated)``: records and checkpoints (after the evaluation they may hold).
+
+    A hook that returns a reason (a non-empty string: diverged, solved, ...) ends the loop there,
+    the step's later hooks unrun; returns (steps done, reason), the reason "" when the loop ran to
+    `steps`."""
+    for i in range(start, steps):
+        n = i + 1
+        loss = step(i)
+        if why := (after_step(n, loss) if after_step is not None else None):
+            return n, why
+        evaluated = evaluate is not None and bool(every) and (n % every == 0 or n == steps)
+        if evaluated and (why := evaluate(n)):
+            return n, why
+        if why := (end_step(n, evaluated) if end_step is not None else None):
+            return n, why
+    return max(start, steps), ""
+
+
 def train(
     rc: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True, data=None,
     overwrite: bool = False, on_step=None, parallel: str = "ddp",
@@ -353,35 +378,51 @@ def train(
     bar = tqdm(total=tc.steps, initial=step, disable=not (progress and world.main),
                desc=f"train {rc.model.layout} ({n_params / 1e6:.2f}M)")
     val_loss = history[-1]["val_loss"] if history and "val_loss" in history[-1] else float("nan")
-    t0, done_here = time.time(), 0
-    while step < tc.steps:
-        lr = lr_at(step, tc)
+    t0, start = time.time(), step
+    rec: dict = {}
+
+    def one_step(i: int) -> float:
+        nonlocal lr
+        lr = lr_at(i, tc)
         # this rank's share of the step's micro-batches (all of them on one process)
-        micro = (stream.batch(step * tc.grad_accum + i, tc.batch_size) for i in range(world.rank, tc.grad_accum, world.size))
-        loss_sum = world.mean(train_step([to_device(b, device) for b in micro], lr))
-        if not math.isfinite(loss_sum):
-            stop(f"loss is {loss_sum}", step + 1, lr)
-        step += 1
-        done_here += 1
-        rec = {"step": step, "loss": loss_sum, "lr": lr}
-        if step % tc.eval_every == 0 or step == tc.steps:
-            val_loss = world.mean(evaluate(model, val_batches))
-            if not math.isfinite(val_loss):
-                stop(f"validation loss is {val_loss}", step, lr)
-            rec["val_loss"] = val_loss
+        micro = (stream.batch(i * tc.grad_accum + j, tc.batch_size) for j in range(world.rank, tc.grad_accum, world.size))
+        return world.mean(train_step([to_device(b, device) for b in micro], lr))
+
+    def after_step(n: int, loss: float) -> None:
+        nonlocal step, rec
+        if not math.isfinite(loss):
+            stop(f"loss is {loss}", n, lr)
+        step, rec = n, {"step": n, "loss": loss, "lr": lr}
+
+    def validate(n: int) -> None:
+        nonlocal val_loss
+        val_loss = world.mean(evaluate(model, val_batches))
+        if not math.isfinite(val_loss):
+            stop(f"validation loss is {val_loss}", n, lr)
+        rec["val_loss"] = val_loss
+
+    def end_step(n: int, evaluated: bool) -> str | None:
+        nonlocal saved
         history.append(rec)
         if on_step is not None:
             on_step(rec)
-        toks = done_here * tc.batch_size * tc.grad_accum * tc.seq_len / (time.time() - t0)  # global
-        bar.set_postfix(loss=f"{loss_sum:.3f}", val=f"{val_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{toks:.0f}")
+        toks = (n - start) * tc.batch_size * tc.grad_accum * tc.seq_len / (time.time() - t0)  # global
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", val=f"{val_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{toks:.0f}")
         bar.update(1)
-        if stop_after is not None and done_here >= stop_after:
-            bar.close()
-            world.close()
-            return {"step": step, "history": history, "killed": True}
-        if step % tc.ckpt_every == 0 or step == tc.steps:
+        if stop_after is not None and n - start >= stop_after:
+            return "killed"  # as a kill: no checkpoint of this step
+        if n % tc.ckpt_every == 0 or n == tc.steps:
             save()
-            saved = step
+            saved = n
+        return None
+
+    lr = lr_at(step, tc)
+    _, why = fit(one_step, tc.steps, start=step, every=tc.eval_every, after_step=after_step, evaluate=validate,
+                 end_step=end_step)
+    if why == "killed":
+        bar.close()
+        world.close()
+        return {"step": step, "history": history, "killed": True}
     bar.close()
     world.close()
     tail = [r["loss"] for r in history[-10:]]

@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from memzoo.bench.common import BASELINE, Context, Recorder, check_layers, load_preset, model_config, read_results
+from memzoo.bench.report import ppl as ppl_report
 from memzoo.cli import main
 from memzoo.config import ConfigError
 from memzoo.registry import layer_names
@@ -131,7 +132,7 @@ def test_ppl_protocol(micro, tmp_path):
 
 def test_ppl_probe_withholds_layer_rows_when_the_positive_control_does_not_copy():
     """The repeated-passage probe's layer rows are published only beside a positive control
-    whose gain's 95% interval lies wholly above ppl.MIN_PROBE_GAIN."""
+    whose gain's 95% interval lies wholly above ppl_report.MIN_PROBE_GAIN."""
     import pandas as pd
 
     from memzoo.bench.common import POSITIVE
@@ -149,11 +150,11 @@ def test_ppl_probe_withholds_layer_rows_when_the_positive_control_does_not_copy(
                 out.append({"suite": "ppl", "layer": layer, "setting": {"corpus": corpus, "mode": mode}, "metrics": m})
         return pd.json_normalize(out)
 
-    good = ppl.tables(rows(0.5, 0.05))
+    good = ppl_report.tables(rows(0.5, 0.05))
     (title, probe), = [(k, v) for k, v in good.items() if "probe" in k]
     assert not title.startswith("HARNESS INVALID") and list(probe.index) == [BASELINE, "fwpkm", POSITIVE]
     for gain, half in ((-0.03, 0.02), (0.12, 0.05)):  # no copy; a gain whose interval reaches below 0.1
-        t = ppl.tables(rows(gain, half))
+        t = ppl_report.tables(rows(gain, half))
         (title, probe), = [(k, v) for k, v in t.items() if "probe" in k]
         assert title.startswith("HARNESS INVALID (the positive control's gain is") and list(probe.index) == [POSITIVE]
         assert BASELINE in t["Perplexity"].index  # the carried-vs-reset tables do not depend on copying
@@ -192,7 +193,7 @@ def test_ppl_tables_aggregate_training_seeds():
     from memzoo.bench.common import POSITIVE
     from memzoo.bench.suites import ppl
 
-    t = ppl.tables(ppl_seed_rows())
+    t = ppl_report.tables(ppl_seed_rows())
     half = 4.303 * 0.1 / math.sqrt(3)  # sd 0.1 over three seeds, t(0.975, 2)
     (title, loss), = [(k, v) for k, v in t.items() if k.startswith("Loss")]
     assert "over trainings where seeds > 1" in title
@@ -219,14 +220,14 @@ def test_ppl_validity_fails_when_one_seed_of_the_positive_control_does_not_copy(
     from memzoo.bench.common import POSITIVE
     from memzoo.bench.suites import ppl
 
-    assert ppl.validity(ppl_seed_rows()) == []
+    assert ppl_report.validity(ppl_seed_rows()) == []
     bad = ppl_seed_rows({1: -0.03})
-    assert ppl.validity(bad) == ["the positive control's gain in seed 1 is -0.030 ± 0.010 nats/token, not clearly above 0.1"]
-    (title, probe), = [(k, v) for k, v in ppl.tables(bad).items() if "probe" in k]
+    assert ppl_report.validity(bad) == ["the positive control's gain in seed 1 is -0.030 ± 0.010 nats/token, not clearly above 0.1"]
+    (title, probe), = [(k, v) for k, v in ppl_report.tables(bad).items() if "probe" in k]
     assert title.startswith("HARNESS INVALID") and list(probe.index) == [POSITIVE]
     rows = ppl_seed_rows()
     gone = rows[~((rows["layer"] == POSITIVE) & (rows["seed"] == 2))]
-    assert ppl.validity(gone) == ["the positive control's probe was not run in seed 2 (niah.controls, ppl.passages)"]
+    assert ppl_report.validity(gone) == ["the positive control's probe was not run in seed 2 (niah.controls, ppl.passages)"]
 
 
 def test_a_resumed_lm_suite_neither_trains_nor_evaluates_recorded_lms(micro, tmp_path, monkeypatch):
@@ -464,7 +465,7 @@ def test_a_toys_variant_runs_alone(tmp_path):
 
 
 def test_each_published_table_says_what_its_rows_mix():
-    from memzoo.bench.leaderboard import provenance
+    from memzoo.bench.report import provenance
 
     def row(cpu, sha, gpu=None, version=2):
         return {"hardware": {"cpu": cpu, **({"gpu": gpu} if gpu else {})}, "git_sha": sha, "config": {"version": version}}
@@ -476,6 +477,27 @@ def test_each_published_table_says_what_its_rows_mix():
     assert "AMD EPYC (2 rows), Intel Xeon (1 row), NVIDIA H200 (1 row): **mixes processors**" in line
     assert "code of 3 commits" in line and "bbbbbbb+dirty (1)" in line
     assert "**mixes protocol versions** 2 (3), 1 (1)" in line
+
+
+def test_no_table_mixes_machine_models_or_protocols():
+    """Rows of one suite and preset on two machines (or of two protocol versions) are two sections,
+    each named by its machine (and protocol); the latest row of a measurement decides where it is
+    shown, so a measurement repeated on another machine leaves the first machine's section."""
+    from memzoo.bench.report import _groups, section_name
+
+    def row(layer, cpu, t, version=3, gpu=None, seed=0):
+        return {"suite": "cost", "preset": "paper", "layer": layer, "setting": {}, "seed": seed, "time": t, "run_id": t,
+                "metrics": {"params": 1}, "hardware": {"cpu": cpu, **({"gpu": gpu} if gpu else {})},
+                "config": {"version": version}, "git_sha": "a" * 40}
+
+    rows = [row("baseline", "AMD EPYC", "1"), row("fwpkm", "AMD EPYC", "2"), row("fwpkm", "x", "3", gpu="NVIDIA H200"),
+            row("pkm", "AMD EPYC", "4", version=2)]
+    sections = [(sorted(df["layer"]), section_name(n, p, shown, rows)) for n, p, _, df, shown in _groups(rows, with_rows=True)]
+    assert sections == [(["pkm"], "cost — preset `paper` — AMD EPYC, protocol 2"),
+                        (["baseline"], "cost — preset `paper` — AMD EPYC, protocol 3"),
+                        (["fwpkm"], "cost — preset `paper` — NVIDIA H200, protocol 3")]
+    one = [r for r in rows if r["layer"] == "baseline"]
+    assert [section_name(n, p, shown, one) for n, p, _, _, shown in _groups(one, with_rows=True)] == ["cost — preset `paper`"]
 
 
 def test_a_torn_last_row_is_skipped_with_a_warning_and_the_next_row_starts_its_own_line(tmp_path):

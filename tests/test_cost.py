@@ -16,6 +16,7 @@ import yaml
 
 from memzoo.backbone.layout import parse_layout
 from memzoo.backbone.model import HybridLM
+from memzoo.bench.report import cost as cost_report
 from memzoo.config import ModelConfig, load_config
 from memzoo.flops import TABLE2_BATCH, TABLE2_SEQ_LEN, count_flops, step_flops, table2_flops, table2_params
 from memzoo.ops.gated_delta_rule import gated_delta_rule_chunked
@@ -167,7 +168,7 @@ def test_memory_layers_count_on_meta_and_leave_nothing_patched():
 def test_run_records_rows_tables_and_figure(tmp_path):
     from memzoo.bench.suites import cost
     from memzoo.bench.common import BASELINE, Context, Recorder, load_preset
-    from memzoo.bench.leaderboard import frame
+    from memzoo.bench.report import frame
 
     mc = {"layout": "GDN", "vocab_size": 50, "d_model": 32, "n_layers": 2, "ffn_dim": 64,
           "gdn_heads": 2, "gdn_head_dim": 16}
@@ -193,14 +194,14 @@ def test_run_records_rows_tables_and_figure(tmp_path):
     assert paper["params_paper"] == 0.05e6 and "params_diff_pct" in paper
     assert "flops_table2_paper" not in paper  # the paper's FLOPs are for 8 × 4096 tokens only
     df = frame(rows)
-    tabs = cost.tables(df)
+    tabs = cost_report.tables(df)
     assert len(tabs) == 2
     layer_table = tabs[next(t for t in tabs if t.startswith("Cost per layer"))]
     assert list(layer_table.index) == [BASELINE, "fwpkm"]
-    paths = cost.figures(df, tmp_path / "fig")
+    paths = cost_report.figures(df, tmp_path / "fig")
     assert [p.name for p in paths] == ["cost.png"]
     first = paths[0].read_bytes()
-    assert cost.figures(df, tmp_path / "fig")[0].read_bytes() == first  # deterministic
+    assert cost_report.figures(df, tmp_path / "fig")[0].read_bytes() == first  # deterministic
 
 
 def test_settings_reject_unknown_keys_and_paper_preset_lists_table2():

@@ -14,6 +14,7 @@ import torch
 
 import memzoo.layers  # noqa: F401  (registers the layers)
 from memzoo.backbone.model import HybridLM
+from memzoo.bench.report import niah as report
 from memzoo.bench.suites import niah as suite
 from memzoo.bench.common import load_preset, logit_ci, mean_ci, model_config, wilson
 from memzoo.data import LMStream, get_tokenizer
@@ -245,7 +246,7 @@ def test_wilson_interval_hand_computed():
 
 def test_tables_and_figures(tmp_path):
     df = fake_rows()
-    t = suite.tables(df)
+    t = report.tables(df)
     acc = t["NIAH exact-match accuracy (%) [95% interval over samples], length x n-iter"]
     assert list(acc.index) == ["baseline", "fwpkm", "ctrl:attention", "ctrl:none"]
     assert list(acc.columns)[:3] == ["seeds", "192 x1", "192 x2"] and set(acc["seeds"]) == {1}  # one training seed each
@@ -265,15 +266,15 @@ def test_tables_and_figures(tmp_path):
     for bad, why in ((fake_rows(control_acc=0.875), "positive control's exact match is 87.5% at 192 tokens"),
                      (fake_rows(controls=False), "the controls were not run"),
                      (recalls, "the backbone alone (baseline) gets 30.0% of the digits")):
-        t = suite.tables(bad)
+        t = report.tables(bad)
         (title, table), = [(k, v) for k, v in t.items() if "exact-match" in k]
         assert title.startswith("HARNESS INVALID") and why in title
         assert set(table.index) <= {"ctrl:attention", "ctrl:none"}  # layer rows withheld
         assert all(set(v.get("layer", pd.Series(dtype=str))) <= {"ctrl:attention", "ctrl:none"} for v in t.values())
     df = df[df["setting.n_iter"] <= 2]  # fewer panels: the same code, faster
-    paths = suite.figures(df, tmp_path / "a")
+    paths = report.figures(df, tmp_path / "a")
     assert [p.name for p in paths] == ["niah_iters.png", "niah_depth.png"]
-    again = suite.figures(df.sample(frac=1, random_state=0), tmp_path / "b")
+    again = report.figures(df.sample(frac=1, random_state=0), tmp_path / "b")
     for p, q in zip(paths, again):  # deterministic: same data, same bytes
         assert hashlib.sha256(p.read_bytes()).hexdigest() == hashlib.sha256(q.read_bytes()).hexdigest()
 
@@ -308,7 +309,7 @@ def test_tables_aggregate_training_seeds():
     at = (df["layer"] == "fwpkm") & (df["setting.length"] == 1024) & (df["setting.n_iter"] == 1)
     for seed, acc in ((0, 0.5), (1, 0.75), (2, 1.0)):
         df.loc[at & (df["seed"] == seed), ["metrics.accuracy", "metrics.answer_nll"]] = acc, 2.3 - acc
-    t = suite.tables(df)
+    t = report.tables(df)
     (title, acc), = [(k, v) for k, v in t.items() if k.startswith("NIAH exact-match")]
     assert title == "NIAH exact-match accuracy (%) [95% interval over samples; over trainings where seeds > 1], length x n-iter"
     assert acc["seeds"].to_dict() == {"baseline": 3, "fwl": 1, "fwpkm": 3, "ctrl:attention": 3, "ctrl:none": 3}
@@ -326,7 +327,7 @@ def test_tables_aggregate_training_seeds():
     assert nll.loc["fwpkm", "1K x1"] == f"1.550 ± {4.303 * 0.25 / math.sqrt(3):.3f}"
     assert nll.loc["fwl", "1K x1"] == "2.05"  # one seed: as a float prints in a column of numbers
     # one seed: the cells of today (fwpkm's seed 0 before), against the baseline's seed-0 row
-    one_seed = suite.tables(fake_rows())
+    one_seed = report.tables(fake_rows())
     for old, new in ((one_seed[next(iter(one_seed))], acc),
                      (next(v for k, v in one_seed.items() if k.startswith("NIAH answer digits")),
                       next(v for k, v in t.items() if k.startswith("NIAH answer digits")))):
@@ -338,17 +339,17 @@ def test_tables_aggregate_training_seeds():
 
 def test_validity_judges_every_seed_of_the_controls():
     df = seeded(fake_rows(), ["baseline", "fwpkm", "ctrl:attention", "ctrl:none"])
-    assert suite.validity(df) == []
+    assert report.validity(df) == []
     pos = df.copy()  # the positive control misses in one seed of three
     pos.loc[(pos["layer"] == "ctrl:attention") & (pos["seed"] == 2) & (pos["setting.length"] == 192), "metrics.accuracy"] = 0.875
-    assert suite.validity(pos) == ["the positive control's exact match is 87.5% at 192 tokens in seed 2 (< 90%)"]
-    (title, table), = [(k, v) for k, v in suite.tables(pos).items() if "exact-match" in k]
+    assert report.validity(pos) == ["the positive control's exact match is 87.5% at 192 tokens in seed 2 (< 90%)"]
+    (title, table), = [(k, v) for k, v in report.tables(pos).items() if "exact-match" in k]
     assert title.startswith("HARNESS INVALID") and set(table.index) == {"ctrl:attention", "ctrl:none"}
     neg = df.copy()  # the negative control finds needles in one seed
     neg.loc[(neg["layer"] == "ctrl:none") & (neg["seed"] == 1), "metrics.digit_accuracy"] = 0.3
-    assert suite.validity(neg) == ["the negative control gets 30.0% of the digits in seed 1, above twice chance (10%)"]
+    assert report.validity(neg) == ["the negative control gets 30.0% of the digits in seed 1, above twice chance (10%)"]
     gone = df[~((df["layer"] == "ctrl:attention") & (df["seed"] == 2))]  # a seed without its controls
-    assert suite.validity(gone) == ["the controls were not run in seed 2 (niah.controls)"]
+    assert report.validity(gone) == ["the controls were not run in seed 2 (niah.controls)"]
 
 
 def test_fwpkm_gate_and_hit_diagnostics_with_one_slot_by_hand():

@@ -11,6 +11,7 @@ import torch
 
 import memzoo.layers  # noqa: F401  (registers the layers)
 from memzoo.bench.suites import toys
+from memzoo.bench.report import toys as toys_report
 from memzoo.backbone.model import HybridLM
 from memzoo.bench.common import BASELINE, Context, Recorder, load_preset, mean_ci
 from memzoo.config import ConfigError
@@ -182,7 +183,7 @@ def test_toy_config_places_the_layer_and_merges_options():
     at0 = toys.Settings(variants={"fwpkm/first": {"layer": "fwpkm", "at": "0", "options": {"before_mixer": True}}})
     first = toys.toy_config(preset, "fwpkm/first", 64, 32, at0)
     assert first.layout == "SWA | fwpkm@0" and first.memory["fwpkm"]["before_mixer"] is True
-    pos, neg = toys.toy_config(preset, toys.POSITIVE, 32, 37, s), toys.toy_config(preset, toys.NEGATIVE, 32, 37, s)
+    pos, neg = toys.toy_config(preset, toys.POSITIVE, 32, 37, s), toys.toy_config(preset, toys_report.NEGATIVE, 32, 37, s)
     assert (pos.layout, pos.attn_conv, pos.memory) == ("FA", preset.backbone.get("gdn_conv", 4), {})
     assert (neg.layout, neg.memory) == ("NONE", {})
 
@@ -254,7 +255,7 @@ def test_memory_route_makes_models_without_fast_weights_negative_controls():
     def rows(base_acc):
         out = []
         for layer, acc, mem in ((BASELINE, base_acc, 0), ("pkm", 0.25, 0), ("fwpkm", 0.9, 64), (toys.POSITIVE, 1.0, 0),
-                                (toys.NEGATIVE, 0.25, 0)):
+                                (toys_report.NEGATIVE, 0.25, 0)):
             for seed in range(3):
                 r = _row(layer, seed, acc if layer != "fwpkm" or seed else 0.25)
                 r["setting"]["route"] = "memory"
@@ -263,18 +264,18 @@ def test_memory_route_makes_models_without_fast_weights_negative_controls():
         return pd.json_normalize(out)
 
     ok = rows(0.25)
-    assert toys.validity(ok, "mqar") == []
-    title, table = next(iter(toys.tables(ok).items()))
-    assert title == "MQAR test accuracy by key-value pairs" + toys.MEMORY_ROUTE
+    assert toys_report.validity(ok, "mqar") == []
+    title, table = next(iter(toys_report.tables(ok).items()))
+    assert title == "MQAR test accuracy by key-value pairs" + toys_report.MEMORY_ROUTE
     left = dict(zip(table["layer"], table["left chance"]))
-    assert left == {BASELINE: "0/3", "fwpkm": "2/3", "pkm": "0/3", toys.POSITIVE: "3/3", toys.NEGATIVE: "0/3"}
+    assert left == {BASELINE: "0/3", "fwpkm": "2/3", "pkm": "0/3", toys.POSITIVE: "3/3", toys_report.NEGATIVE: "0/3"}
     bad = rows(0.6)  # the backbone recalls: it reaches past the memory
-    assert toys.validity(bad, "mqar") == [
+    assert toys_report.validity(bad, "mqar") == [
         f"{BASELINE}, which has no fast weights, recalls 0.600 at kv={k}, d=16: above twice chance (0.250), so the "
         f"backbone reaches past the memory" for k in (2, 4)]
-    assert next(iter(toys.tables(bad))).startswith("HARNESS INVALID for mqar")
+    assert next(iter(toys_report.tables(bad))).startswith("HARNESS INVALID for mqar")
     hybrid = bad.drop(columns=["setting.route"])  # the hybrid view: the backbone may recall
-    assert toys.validity(hybrid, "mqar") == []
+    assert toys_report.validity(hybrid, "mqar") == []
 
 
 def test_toy_config_keeps_a_set_gdn_head_size():
@@ -310,7 +311,7 @@ def test_solved_on_the_mean_or_on_every_slice():
         toys.Settings(solve_on="min").check()
     task = toys.Task("mqar", toys.Settings(val_size=2, test_size=2))
     mc = toys.toy_config(load_preset("tiny"), BASELINE, 16, task.vocab, toys.Settings())
-    assert "solve_on" not in toys.cell_config(mc, task.name, toys.Settings(), BASELINE)["train"]  # earlier rows' hashes stay
+    assert toys.cell_config(mc, task.name, toys.Settings(), BASELINE)["train"]["solve_on"] == "mean"
     assert toys.cell_config(mc, task.name, toys.Settings(solve_on="every"), BASELINE)["train"]["solve_on"] == "every"
 
 
@@ -330,7 +331,8 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     assert {(r["layer"], r["seed"]) for r in saved} == {(m, s) for m in models for s in (0, 1)}
     for r in rows:
         m = r["metrics"]
-        assert r["suite"] == "toys" and set(r["setting"]) == {"task", "d_model"}
+        assert r["suite"] == "toys" and r["setting"] == {"task": r["setting"]["task"], "d_model": r["setting"]["d_model"],
+                                                          "route": "hybrid"}
         assert 0.0 <= m["accuracy"] <= 1.0 and f"{m['lr']:g}" in m["val_by_lr"]
         # the grid, and past its edge only where the lr chosen there left chance
         assert {"0.01", "0.03"} <= set(m["val_by_lr"]) <= {"0.01", "0.03", "0.09", "0.27", "0.00333333", "0.00111111"}
@@ -350,7 +352,7 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     base = {(r["setting"]["task"], r["setting"]["d_model"]): r["metrics"] for r in rows if r["layer"] == BASELINE}
     assert base[("mqar", 16)]["gdn_state"] == 2 * 4 * 4 * 4  # 2 GDN layers x 4 heads x 4^2
     assert base[("mqar", 16)]["mem_state"] == 0
-    att = [r["metrics"] for r in rows if r["layer"] == toys.POSITIVE and r["setting"] == {"task": "mqar", "d_model": 16}]
+    att = [r["metrics"] for r in rows if r["layer"] == toys.POSITIVE and r["setting"] == {"task": "mqar", "d_model": 16, "route": "hybrid"}]
     assert att[0]["kv_cache"] == 2 * 2 * 2 * 4 * 16  # 2 layers x (k, v) x 2 kv heads x head 4 x 16 tokens
     fw = [r["metrics"] for r in rows if r["layer"] == "fwpkm"]  # a memory per sequence (tiny's toys)
     assert all(not m["state_shared"] and m["mem_state"] == 64 * 64 * 64 + 2 * 64 * 32 for m in fw)
@@ -373,7 +375,7 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     one.mkdir()
     (one / "results.jsonl").write_text("".join(
         json.dumps(r) + "\n" for r in rows if r["layer"] == "fwpkm" and r["seed"] == 0
-        and r["setting"] == {"task": "mqar", "d_model": 16}))
+        and r["setting"] == {"task": "mqar", "d_model": 16, "route": "hybrid"}))
     half = {p: g for p, _, g in toys.parts(_ctx(one, resume=True), "fwpkm")}
     assert half[("fwpkm", "mqar", 16, 0)] is None and half[("fwpkm", "mqar", 16, 1)] == ("fwpkm", "mqar", 16)
     alone = toys.run(_ctx(tmp_path / "part"), ["fwpkm"], only=[parts[-1][0]])
@@ -381,29 +383,29 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     assert len(alone) == 1 and alone[0]["metrics"]["accuracy"] == same[0]["metrics"]["accuracy"]
 
     df = pd.json_normalize([{k: v for k, v in r.items() if k != "config"} for r in saved])
-    tabs = toys.tables(df)  # 6 steps cannot solve anything: both tasks' harness is invalid
+    tabs = toys_report.tables(df)  # 6 steps cannot solve anything: both tasks' harness is invalid
     titles = list(tabs)
     assert titles[0].startswith("HARNESS INVALID for mqar (the positive control reaches only")
     assert titles[1].startswith("HARNESS INVALID for ar")
     assert set(tabs[titles[0]]["layer"]) == set(toys.CONTROLS)  # no layer rows beside a failed control
-    assert toys.figures(df, tmp_path / "none") == []
+    assert toys_report.figures(df, tmp_path / "none") == []
 
     # make the controls pass: the positive one solves the easiest slice, the negative one is at chance
-    pos, neg = df["layer"] == toys.POSITIVE, df["layer"] == toys.NEGATIVE
+    pos, neg = df["layer"] == toys.POSITIVE, df["layer"] == toys_report.NEGATIVE
     df.loc[pos, "metrics.acc_by_kv.1"] = df.loc[pos, "metrics.acc_by_kv.2"] = df.loc[pos, "metrics.accuracy"] = 1.0
     df.loc[neg, "metrics.accuracy"] = df.loc[neg, "metrics.chance"]
-    assert toys.validity(df, "mqar") == [] and toys.validity(df, "ar") == []
-    assert toys.validity(df[~neg], "mqar") == [f"no rows of {toys.NEGATIVE} (toys.controls off, or the run stopped before them)"]
-    tabs = toys.tables(df)
+    assert toys_report.validity(df, "mqar") == [] and toys_report.validity(df, "ar") == []
+    assert toys_report.validity(df[~neg], "mqar") == [f"no rows of {toys_report.NEGATIVE} (toys.controls off, or the run stopped before them)"]
+    tabs = toys_report.tables(df)
     mq = tabs["MQAR test accuracy by key-value pairs"]
     assert list(mq["layer"]) == [BASELINE, BASELINE, "fwpkm", "fwpkm", *[c for c in toys.CONTROLS for _ in (16, 24)]]
     assert {"kv=1", "kv=2", "mean", "budget (max)", "left chance at", "stop", "lr", "state", "seeds"} <= set(mq.columns)
     assert mq.loc[mq["layer"] == toys.POSITIVE, "kv=1"].str.startswith("1.000 ± 0.000").all()
     for t in tabs.values():
         assert t.to_markdown()
-    paths = toys.figures(df, tmp_path / "a")
+    paths = toys_report.figures(df, tmp_path / "a")
     assert [p.name for p in paths] == ["toys_mqar_capacity.png", "toys_mqar_curves.png", "toys_mqar_state.png"]
-    again = toys.figures(df.iloc[::-1], tmp_path / "b")  # row order does not change the bytes
+    again = toys_report.figures(df.iloc[::-1], tmp_path / "b")  # row order does not change the bytes
     assert [p.read_bytes() for p in paths] == [p.read_bytes() for p in again]
 
 
@@ -415,30 +417,30 @@ def _row(layer, seed, acc, chance=0.25):
 
 
 def test_a_layer_short_of_the_baselines_seeds_is_withheld(tmp_path):
-    rows = [_row(n, s, a) for n, a in ((BASELINE, 0.6), (toys.POSITIVE, 1.0), (toys.NEGATIVE, 0.25), ("pkm", 0.8))
+    rows = [_row(n, s, a) for n, a in ((BASELINE, 0.6), (toys.POSITIVE, 1.0), (toys_report.NEGATIVE, 0.25), ("pkm", 0.8))
             for s in range(3)]
     rows += [_row("linear", 0, 0.9)]  # a run stopped after its first seed
     df = pd.json_normalize(rows)
-    kept, partial = toys.incomplete(df)
+    kept, partial = toys_report.incomplete(df)
     assert partial == {"mqar": ["linear (1 of 3 seeds)"]} and "linear" not in set(kept["layer"]) and len(kept) == 12
-    title, table = next(iter(toys.tables(df).items()))
+    title, table = next(iter(toys_report.tables(df).items()))
     assert title == "MQAR test accuracy by key-value pairs (withheld until every seed has run: linear (1 of 3 seeds))"
     assert list(table["layer"]) == [BASELINE, "pkm", *toys.CONTROLS]
-    assert "linear" not in set(toys.tables(df)["Recurrent state per sequence (numbers) and parameters"]["layer"])
-    assert toys.incomplete(df[df["layer"] != "linear"])[1] == {}  # nothing short: nothing withheld
-    assert [p.name for p in toys.figures(df, tmp_path)] == ["toys_mqar_capacity.png", "toys_mqar_state.png"]
+    assert "linear" not in set(toys_report.tables(df)["Recurrent state per sequence (numbers) and parameters"]["layer"])
+    assert toys_report.incomplete(df[df["layer"] != "linear"])[1] == {}  # nothing short: nothing withheld
+    assert [p.name for p in toys_report.figures(df, tmp_path)] == ["toys_mqar_capacity.png", "toys_mqar_state.png"]
 
 
 def test_figure_intervals_stop_at_0_and_1():
     # (mean, half-width) -> [below], [above]: 0.348 ± 0.589 (the capacity baseline's kind of spread)
-    below, above = toys._within_unit([(0.348, 0.589), (0.998, 0.004), (0.5, 0.1)])
+    below, above = toys_report._within_unit([(0.348, 0.589), (0.998, 0.004), (0.5, 0.1)])
     assert below == pytest.approx([0.348, 0.004, 0.1]) and above == pytest.approx([0.589, 0.002, 0.1])
 
 
 def test_interval_marks_against_the_baseline():
-    assert toys._fmt([0.9, 0.91, 0.92], ref=[0.5, 0.51, 0.52]).endswith(" ▲")
-    assert toys._fmt([0.1, 0.11, 0.12], ref=[0.5, 0.51, 0.52]).endswith(" ▼")
-    assert toys._fmt([0.5, 0.6, 0.4], ref=[0.5, 0.51, 0.52]) == "0.500 ± 0.248"
+    assert toys_report._fmt([0.9, 0.91, 0.92], ref=[0.5, 0.51, 0.52]).endswith(" ▲")
+    assert toys_report._fmt([0.1, 0.11, 0.12], ref=[0.5, 0.51, 0.52]).endswith(" ▼")
+    assert toys_report._fmt([0.5, 0.6, 0.4], ref=[0.5, 0.51, 0.52]) == "0.500 ± 0.248"
 
 
 def test_evaluation_leaves_persistent_memories_as_they_were(tmp_path):
@@ -506,9 +508,9 @@ def test_fwpkm_route_hit_and_gate_by_hand():
 
 
 def test_rerun_comparison_by_hand():
-    """bench/reruns.py: means and t-intervals over the seeds both runs hold, identical
+    """bench/report/reruns.py: means and t-intervals over the seeds both runs hold, identical
     cells counted, wall time per model and per run id."""
-    from memzoo.bench.reruns import compare, cost
+    from memzoo.bench.report.reruns import compare, cost
 
     def row(seed, acc, steps=100, run="a", wall=10.0, at="2026-11-25T10:00:00Z", h="h1"):
         return {"suite": "toys", "preset": "standard", "layer": "pkm", "setting": {"task": "mqar", "d_model": 128},
@@ -528,9 +530,9 @@ def test_rerun_comparison_by_hand():
 
 
 def test_rerun_with_fresh_seeds_by_hand():
-    """bench/reruns.py --fresh-seeds: a rerun's own seeds against every published seed
+    """bench/report/reruns.py --fresh-seeds: a rerun's own seeds against every published seed
     of the same config (seed by seed there is nothing to pair, so no identical cells are counted)."""
-    from memzoo.bench.reruns import compare, orders
+    from memzoo.bench.report.reruns import compare, orders
 
     def row(layer, seed, acc, h="h1"):
         return {"suite": "toys", "preset": "standard", "layer": layer, "setting": {"task": "mqar", "d_model": 128},
@@ -553,10 +555,10 @@ def test_rerun_with_fresh_seeds_by_hand():
 
 
 def test_rerun_orders_by_hand():
-    """bench/reruns.py: the model pairs the published rows separate (disjoint 95%
+    """bench/report/reruns.py: the model pairs the published rows separate (disjoint 95%
     t-intervals over at least two shared seeds), whether the rerun keeps their order, and whether
     its own intervals separate them the other way."""
-    from memzoo.bench.reruns import orders
+    from memzoo.bench.report.reruns import orders
 
     def rows(layer, accs):
         return [{"suite": "toys", "preset": "standard", "layer": layer, "setting": {"task": "mqar", "d_model": 128},
@@ -575,10 +577,10 @@ def test_rerun_orders_by_hand():
 
 
 def test_uninterrupted_run_counted_by_hand():
-    """bench/reruns.py: a run in segments counted as one: each group's costliest
+    """bench/report/reruns.py: a run in segments counted as one: each group's costliest
     compile_s once (its first cell), its cheapest for the others, on workers taking the first cell
     of every group first; a row without compile_s counts its wall time."""
-    from memzoo.bench.reruns import uninterrupted
+    from memzoo.bench.report.reruns import uninterrupted
 
     def row(layer, seed, wall, at, compile_s=None):
         m = {} if compile_s is None else {"compile_s": compile_s}
@@ -666,10 +668,10 @@ def test_left_chance_at_and_lr_columns_by_hand():
                       "metrics.lr": [1e-3, 3e-3, 1e-3], "metrics.lr_chosen": [True, False, True],
                       "metrics.lr_at_edge": [True, False, False], "metrics.val_by_lr.0.001": [0.5, 0.03, 0.4],
                       "metrics.val_by_lr.0.003": [0.4, 0.03, 0.5]})
-    assert toys._left_at(g) == "9.6k (2/3 seeds)"
-    assert toys._left_at(g.assign(**{"metrics.left_chance_at": [None] * 3})) == "at chance through 64k"
-    assert toys._lrs(g) == "0.001, 0.001 (edge), none (at chance)"
-    assert toys._count(640000) == "640k" and toys._count(1_280_000) == "1.28M" and toys._count(640) == "640"
+    assert toys_report._left_at(g) == "9.6k (2/3 seeds)"
+    assert toys_report._left_at(g.assign(**{"metrics.left_chance_at": [None] * 3})) == "at chance through 64k"
+    assert toys_report._lrs(g) == "0.001, 0.001 (edge), none (at chance)"
+    assert toys_report._count(640000) == "640k" and toys_report._count(1_280_000) == "1.28M" and toys_report._count(640) == "640"
 
 
 def test_a_stopped_cell_continues_from_its_checkpoint(tmp_path, monkeypatch):
@@ -708,11 +710,11 @@ def test_a_layer_at_chance_points_to_its_long_budget_verdict():
                                                     "val_by_lr": {"0.001": 0.5, "0.003": 0.03}}}
 
     run = [row("fwpkm", "tiny", None, 16000), row("lact", "tiny", None, 16000), row("linear", "tiny", 3200, 16000),
-           row(BASELINE, "tiny", None, 16000), row(toys.NEGATIVE, "tiny", None, 16000)]
-    published = [row("fwpkm", toys.LONG, None, 640000), row("fwpkm", toys.LONG, 192000, 640000, "2026-11-29T00:00:00Z", 0.98)]
-    lines = toys.notes(run, published)
+           row(BASELINE, "tiny", None, 16000), row(toys_report.NEGATIVE, "tiny", None, 16000)]
+    published = [row("fwpkm", toys_report.LONG, None, 640000), row("fwpkm", toys_report.LONG, 192000, 640000, "2026-11-29T00:00:00Z", 0.98)]
+    lines = toys_report.notes(run, published)
     assert lines == [
         "fwpkm: at chance through 16k sequences here; at the recall preset's 10x budget (lrs 0.001, 0.003): left chance "
-        f"at 192k sequences (test 0.980) (leaderboards/README.md, toys — preset {toys.LONG})",  # the latest row
-        f"lact: at chance through 16k sequences here; no long-budget check of it is published yet ({toys.LONG}: docs/toys.md)",
+        f"at 192k sequences (test 0.980) (leaderboards/README.md, toys — preset {toys_report.LONG})",  # the latest row
+        f"lact: at chance through 16k sequences here; no long-budget check of it is published yet ({toys_report.LONG}: docs/toys.md)",
     ]

@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -59,6 +58,7 @@ def cell(layer: str):
 def make(layer: str, setting: str):
     """The step to time (a closure over a fresh model, optimizer and one fixed batch) and its tokens."""
     from memzoo.backbone.model import HybridLM
+    from memzoo.config import TrainConfig
     from memzoo.train import make_step, param_groups
 
     chunk, precision, compile_ = SETTINGS[setting]
@@ -66,7 +66,7 @@ def make(layer: str, setting: str):
     mc = dataclasses.replace(mc, gdn_chunk=chunk)
     torch.manual_seed(0)
     model = HybridLM(mc).train()
-    tc = SimpleNamespace(lr=3e-3, weight_decay=s.weight_decay)
+    tc = TrainConfig(lr=3e-3, weight_decay=s.weight_decay)
     opt = torch.optim.AdamW(param_groups(model, tc), lr=3e-3, betas=(0.9, 0.98))
     train_step = make_step(model, opt, s.grad_clip, precision, compile_)
     x, y = task.batch(0, torch.Generator().manual_seed(0))
@@ -98,9 +98,9 @@ mc = ModelConfig.from_dict({k: v for k, v in job["model"].items() if k in known}
 torch.manual_seed(0)
 model = HybridLM(mc).train()
 if job["preset_step"]:  # this code, as the toys suite trains
-    from types import SimpleNamespace
+    from memzoo.config import TrainConfig
     from memzoo.train import make_step, param_groups
-    groups = param_groups(model, SimpleNamespace(lr=3e-3, weight_decay=job["weight_decay"]))
+    groups = param_groups(model, TrainConfig(lr=3e-3, weight_decay=job["weight_decay"]))
     opt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.98))
     step = make_step(model, opt, job["grad_clip"], job["precision"], job["compile"])
     run = lambda x, y: step([(x, y)], 3e-3)

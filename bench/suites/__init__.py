@@ -1,5 +1,5 @@
-"""The bench's suites: the one list that the preset sections, `memzoo bench` and the leaderboard
-all read.
+"""The bench's suites: the one list that the preset sections, `memzoo bench` and the report
+all read. A suite measures; its rows are rendered by its half in :mod:`memzoo.bench.report`.
 
 Each suite is a module here with
 
@@ -7,14 +7,13 @@ Each suite is a module here with
     Settings                  a dataclass of those settings (unknown keys are errors)
     run(ctx, layers)          measure, record and return rows (`ctx.advance` per unit of work)
     work(ctx, layer)          the units of work `run` does for one layer, for the progress bar
-    tables(df), figures(df, out_dir)     the leaderboard's tables and figures of its rows
 
-and optionally ``EXPLANATION`` (a note under its leaderboard section), ``USES_LM`` (it
-evaluates the shared language model of :mod:`memzoo.bench.lm`, trained once per layer) and
-``parts(ctx, layer)`` (its run for one layer cut into independent parts that
-``run(ctx, [layer], only=[part])`` measures alone: the toys' cells, which `memzoo bench` hands
-to whichever worker is free; each as ``(part, cost, group)``, with a relative cost and the
-group of parts that compile the same graphs: the same model and shapes, another seed).
+and optionally ``USES_LM`` (it evaluates the shared language model of :mod:`memzoo.bench.lm`,
+trained once per layer) and ``parts(ctx, layer)`` (its run for one layer cut into independent
+parts that ``run(ctx, [layer], only=[part])`` measures alone: the toys' cells, which `memzoo
+bench` hands to whichever worker is free; each as ``(part, cost, group)``, with a relative cost
+and the group of parts that compile the same graphs: the same model and shapes, another seed).
+Nothing here formats a table.
 """
 
 from __future__ import annotations

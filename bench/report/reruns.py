@@ -1,8 +1,8 @@
 """A rerun of toy cells beside the published rows: does it reproduce them, and what did it cost?
 
-    python -m memzoo.bench.reruns leaderboards/reruns/standard-toys-pkm-seeds-100-102 --fresh-seeds
-    python -m memzoo.bench.reruns RERUN_DIR --published leaderboards/results.jsonl
-    python -m memzoo.bench.reruns leaderboards/reruns/standard-toys-pkm-seeds-100-102 --fresh-seeds
+    python -m memzoo.bench.report.reruns leaderboards/reruns/standard-toys-pkm-seeds-100-102 --fresh-seeds
+    python -m memzoo.bench.report.reruns RERUN_DIR --published leaderboards/results.jsonl
+    python -m memzoo.bench.report.reruns leaderboards/reruns/standard-toys-pkm-seeds-100-102 --fresh-seeds
 
 A rerun is ``memzoo bench --suite toys --out RERUN_DIR`` (with ``--resume``, continued after a
 kill): the same preset, configs and seeds as published, measured again, e.g. on another processor
@@ -39,7 +39,8 @@ from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
 
-from memzoo.bench.common import RESULTS, layer_order, mean_ci, read_results
+from memzoo.bench.common import RESULTS, mean_ci, read_results
+from memzoo.bench.report import layer_order
 
 
 def _key(r: dict) -> tuple:

@@ -1,0 +1,262 @@
+"""Rows -> report: every table, figure and reading note of the bench, rendered from rows alone.
+
+`memzoo leaderboard` writes ``leaderboards/README.md`` and the figures from results.jsonl;
+`memzoo bench` prints the same tables of the rows it measured. Each suite's half is a module
+here (``report.toys``, ...): ``tables(df)``, ``figures(df, out_dir)``, ``NOTE`` (the reading
+note: protocol text, no measured number) and optionally ``notes(rows, published)`` (lines
+printed under a run's tables). The suites themselves (``bench/suites/``) only measure.
+
+Rendering reads nothing but results.jsonl, so the published tables and plots can always be
+regenerated and checked: the same file gives the same bytes (sorted rows, no clock, PNGs
+without metadata). Where a (suite, preset, layer, setting) was measured more than once, the
+latest row counts (per seed); every row's provenance stays in results.jsonl and the README lists the runs
+behind the tables.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+from types import ModuleType
+
+from memzoo.bench.common import BASELINE, CONTROLS, RESULTS, read_results
+from memzoo.bench.suites import NAMES, suite
+from memzoo.storage import write_text
+
+
+def module(name: str) -> ModuleType:
+    """The report half of suite `name` (imported on first use)."""
+    if name not in NAMES:
+        raise ValueError(f"unknown suite {name!r}; valid suites: {', '.join(NAMES)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+_DROP = ("config", "versions", "hardware")  # provenance kept in results.jsonl, not in the tables
+
+
+def latest(rows: list[dict]) -> list[dict]:
+    """The last row of every (suite, preset, layer, setting, seed), in a fixed order."""
+    keep: dict[tuple, dict] = {}
+    for r in sorted(rows, key=lambda r: (r["time"], r["run_id"])):
+        keep[(r["suite"], r["preset"], r["layer"], json.dumps(r["setting"], sort_keys=True), r["seed"])] = r
+    return [keep[k] for k in sorted(keep)]
+
+
+def frame(rows: list[dict]):
+    import pandas as pd
+
+    return pd.json_normalize([{k: v for k, v in r.items() if k not in _DROP} for r in rows])
+
+
+def _groups(rows: list[dict], with_rows: bool = False):
+    """(suite, preset, module, DataFrame) for every table section, in the suites' order (and the
+    rows themselves, with `with_rows`). A section is one suite and preset on one machine model and
+    one protocol version: the latest row of each measurement decides where it is shown, and rows
+    of other machines or protocols become a section of their own (named by `section_name`), never
+    mixed into one table."""
+    rows = latest(rows)
+    for name in NAMES:
+        for preset in sorted({r["preset"] for r in rows if r["suite"] == name}):
+            sub = [r for r in rows if r["suite"] == name and r["preset"] == preset]
+            for key in sorted({_kind(r) for r in sub}):
+                part = [r for r in sub if _kind(r) == key]
+                yield (name, preset, module(name), frame(part)) + ((part,) if with_rows else ())
+
+
+def _kind(r: dict) -> tuple[str, str]:
+    """(machine model, protocol version) of a row: what a table may not mix."""
+    return machine(r), str(r.get("config", {}).get("version", ""))
+
+
+def _folder(section: str, preset: str) -> str:
+    """A section's figure folder: the preset's name, with the machine and protocol of a section
+    that shares its preset with others."""
+    import re
+
+    extra = section.split(f"`{preset}`", 1)[1].strip(" —")
+    return preset + ("-" + re.sub(r"[^a-z0-9]+", "-", extra.lower()).strip("-") if extra else "")
+
+
+def section_name(name: str, preset: str, rows: list[dict], all_rows: list[dict]) -> str:
+    """The heading of a section: suite and preset, and the machine model and protocol version where
+    the suite and preset have rows of several."""
+    kinds = {_kind(r) for r in latest(all_rows) if r["suite"] == name and r["preset"] == preset}
+    head = f"{name} — preset `{preset}`"
+    if len(kinds) > 1:
+        m, v = _kind(rows[0])
+        head += f" — {m}" + (f", protocol {v}" if len({k[1] for k in kinds}) > 1 and v else "")
+    return head
+
+
+def machine(r: dict) -> str:
+    """The processor a row was measured on: the GPU's name, else the CPU's."""
+    return r["hardware"].get("gpu") or r["hardware"]["cpu"]
+
+
+def provenance(rows: list[dict]) -> str:
+    """One line: the processors and code versions the shown rows come from, marked where they mix."""
+    def count(key) -> list[tuple[str, int]]:
+        seen: dict[str, int] = {}
+        for r in rows:
+            seen[key(r)] = seen.get(key(r), 0) + 1
+        return sorted(seen.items(), key=lambda kv: (-kv[1], kv[0]))
+
+    procs = count(machine)
+    shas = count(lambda r: r["git_sha"][:7] + ("+dirty" if r["git_sha"].endswith("+dirty") else ""))
+    protos = count(lambda r: str(r.get("config", {}).get("version", "")))
+    where = ", ".join(f"{p} ({n} row{'s' if n > 1 else ''})" for p, n in procs)
+    code = ", ".join(f"{s} ({n})" for s, n in shas[:6]) + (f" and {len(shas) - 6} more" if len(shas) > 6 else "")
+    line = f"*Measured on {where}" + ("" if len(procs) == 1 else ": **mixes processors**")
+    line += f"; code of {len(shas)} commit{'s' if len(shas) > 1 else ''} ({code})"
+    if len(protos) > 1:
+        line += "; **mixes protocol versions** " + ", ".join(f"{v or 'unversioned'} ({n})" for v, n in protos)
+    elif protos[0][0]:
+        line += f"; protocol version {protos[0][0]}"
+    return line + ".*"
+
+
+def markdown(table) -> str:
+    """A table as markdown; a plain 0..n-1 row index is left out."""
+    import pandas as pd
+
+    return table.to_markdown(index=not isinstance(table.index, pd.RangeIndex))
+
+
+def suite_tables(rows: list[dict]):
+    """(suite, preset, title, table) for every table the rows make."""
+    for name, preset, mod, df in _groups(rows):
+        for title, table in mod.tables(df).items():
+            yield name, preset, title, table
+
+
+def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Path | None = None) -> list[Path]:
+    """Write README.md and the PNGs next to results.jsonl (or into `out_dir`); return the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    results = Path(results)
+    out = Path(out_dir) if out_dir else results.parent
+    rows = read_results(results)
+    if not rows:
+        raise FileNotFoundError(f"no results in {results}: run `memzoo bench` first")
+    written, lines = [], [
+        "# memzoo leaderboard",
+        "",
+        f"Rendered by `memzoo leaderboard` from `{RESULTS}` ({len(rows)} rows) and nothing else; every number",
+        "below was measured by `memzoo bench` (the runs are listed at the end, each row's full config,",
+        "versions and hardware are in the JSONL). Where a setting was measured more than once, the latest",
+        "row is shown.",
+        "",
+    ]
+    for name, preset, mod, df, shown in _groups(rows, with_rows=True):
+        lines += [f"## {section_name(name, preset, shown, rows)}", ""]
+        doc = (suite(name).__doc__ or "").strip().split("\n\n")[0]  # what the suite measures
+        lines += [doc, "", provenance(shown), ""]
+        for title, table in mod.tables(df).items():
+            lines += [f"**{title}**", "", markdown(table), ""]
+        note = [getattr(mod, "NOTE", "").strip(), *getattr(mod, "reading", lambda df: [])(df)]
+        if any(note):
+            lines += ["\n".join(n for n in note if n), ""]
+        for path in mod.figures(df, out / "figures" / _folder(section_name(name, preset, shown, rows), preset)):
+            written.append(path)
+            lines += [f"![{path.stem}]({path.relative_to(out).as_posix()})", ""]
+    lines += ["## Runs", "", *_runs_table(rows), ""]
+    readme = out / "README.md"
+    write_text(readme, "\n".join(lines))
+    return [readme, *written]
+
+
+def _runs_table(rows: list[dict]) -> list[str]:
+    runs: dict[str, dict] = {}
+    for r in rows:
+        d = runs.setdefault(r["run_id"], {**r, "rows": 0, "wall_s": 0.0, "suites": set(), "layers": set()})
+        d["rows"] += 1
+        d["wall_s"] += r["wall_s"]
+        d["suites"].add(r["suite"])
+        d["layers"].add(r["layer"])
+    out = ["| run | preset | seed | git sha | hardware | torch | suites | layers | rows | measured s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for rid in sorted(runs):
+        d = runs[rid]
+        hw = d["hardware"].get("gpu") or f"{d['hardware']['cpu']} ({d['hardware']['threads']} threads)"
+        out.append(
+            f"| {rid} | {d['preset']} | {d['seed']} | {d['git_sha'][:12]} | {hw} | {d['versions'].get('torch')} | "
+            f"{', '.join(sorted(d['suites']))} | {len(d['layers'])} | {d['rows']} | {d['wall_s']:.0f} |"
+        )
+    return out
+
+
+def print_tables(rows: list[dict]) -> None:
+    """The tables of `rows`, as `memzoo bench` prints them at the end of a run."""
+    for name, preset, title, table in suite_tables(rows):
+        print(f"### {name} ({preset}): {title}\n")
+        print(markdown(table))
+        print()
+
+
+def print_notes(rows: list[dict], published: list[dict], suites: list[str]) -> None:
+    """What each suite's report says of a run's rows beside the published ones (toys: what a
+    short budget can show), under the run's tables."""
+    for s in suites:
+        if lines := getattr(module(s), "notes", lambda rows, published: [])(rows, published):
+            print("\n".join(lines) + "\n")
+
+
+# ---- helpers of the suites' tables and figures ---------------------------------------------------
+
+
+def beyond(lo: float, hi: float, ref_lo: float, ref_hi: float) -> str:
+    """' ▲' / ' ▼' where the interval [lo, hi] lies wholly above / below [ref_lo, ref_hi] (the
+    baseline's), else '': intervals that touch are no difference."""
+    return " ▲" if lo > ref_hi else " ▼" if hi < ref_lo else ""
+
+
+def with_seed(df):
+    """The frame with a ``seed`` column (frames made without one: every row seed 0), so that the
+    tables can count and aggregate training seeds."""
+    return df if "seed" in df else df.assign(seed=0)
+
+
+def shared_count(values):
+    """The count every seed shares (an int: passages, samples, steps), else their range 'lo-hi':
+    seeds run with different settings show as such, not as one of them."""
+    vals = sorted({int(v) for v in values if not math.isnan(float(v))})
+    return vals[0] if len(vals) == 1 else f"{vals[0]}-{vals[-1]}" if vals else float("nan")
+
+
+def fewer_seeds(k: int, n: int) -> str:
+    """' (k of n seeds)' for a cell with fewer seeds than its layer's row, else '': a cell never
+    passes for all of a layer's trainings when it holds only some."""
+    return f" ({k} of {n} seeds)" if k < n else ""
+
+
+def with_texts(table, texts: dict):
+    """`table` with the cells in `texts` ({(index, column): text}, e.g. a mean with its interval
+    over seeds) written in; in a column that gets one, the other numbers are printed as tabulate
+    prints a float ('g'), so that a one-seed cell reads as it did in a column of numbers."""
+    table = table.copy()
+    for col in dict.fromkeys(c for _, c in texts):
+        table[col] = [texts[(i, col)] if (i, col) in texts else format(v, "g") if isinstance(v, float) else v
+                      for i, v in zip(table.index, table[col])]
+    return table
+
+
+def layer_order(names) -> list[str]:
+    """Layer names for tables and figures: the baseline first, then the layers by name, then
+    the controls."""
+    return sorted(set(names), key=lambda n: (n != BASELINE, n in CONTROLS, n))
+
+
+def save_png(fig, path: str | Path) -> Path:
+    """Save a matplotlib figure so that the same data gives the same bytes: Agg, fixed dpi, no
+    software/date metadata."""
+    import matplotlib.pyplot as plt
+
+    from memzoo.storage import save_figure
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_figure(fig, path, dpi=100, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return path

@@ -1,0 +1,399 @@
+"""The toys suite's report: its rows -> tables, figures and the reading note."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, mean_ci
+from memzoo.bench.report import layer_order, save_png
+from memzoo.bench.suites.toys import NAME, TASKS
+
+NOTE = """Accuracy is on the labelled positions of the test sets (MQAR: every query; Ba's task: the answer
+after the query), mean ± the half-width of a 95% t-interval over the seeds; ▲ / ▼: the layer's
+interval lies wholly above / below the baseline's. Each training ran until validation accuracy
+reached the target or stopped improving (*stop*: solved / plateau / chance / capped; a capped cell did not
+converge; *chance*: stopped at chance, a statement about the budget), with the learning rate chosen
+on the validation sets ("(edge)": chosen at the edge of the lrs tried; "none": at chance at every lr).
+*Left chance at*: the sequences trained before validation accuracy first rose above twice chance
+(the median over the seeds that did); *budget*: the sequences the chosen lr trained (median, max).
+A layer at chance is at chance through its budget, not at chance as a property: the learning curves
+show where each training stood, and the recall-10x preset retrains the negative rows of the recall
+preset at ten times its budget. ctrl:attention is the positive
+control (attention with a short convolution), ctrl:none the negative one (no token mixer).
+State: numbers one sequence carries (GDN matrices, the memory's fast weights, attention's KV
+cache); a memory shared by the batch (FwPKM as the paper trains it) is counted whole."""
+
+
+# ---- what a short budget can show ------------------------------------------------------------
+
+#: the preset that checks the recall preset's negative rows at ten times its budget
+LONG = "recall-10x"
+
+
+def notes(rows: list[dict], published: list[dict]) -> list[str]:
+    """One line per layer that the run's MQAR rows show at chance in every seed: the budget it was
+    at chance through, and the published long-budget verdict on it (the `LONG` preset's row in
+    `published`), or that none is published yet. A table at a short budget shows the budget, not
+    the layer, until a longer training says otherwise."""
+    out = []
+    mine = [r for r in rows if r["suite"] == NAME and r["setting"].get("task") == "mqar" and r["preset"] != LONG
+            and r["layer"] not in CONTROLS and r["layer"] != BASELINE and "sequences" in r["metrics"]]
+    long = {}
+    for r in sorted(published, key=lambda r: (r["time"], r["run_id"])):
+        if r["suite"] == NAME and r["preset"] == LONG and r["seed"] == 0:
+            long[r["layer"]] = r
+    for layer in sorted({r["layer"] for r in mine}):
+        g = [r for r in mine if r["layer"] == layer]
+        if any(r["metrics"]["left_chance_at"] is not None for r in g):
+            continue
+        line = f"{layer}: at chance through {_count(max(r['metrics']['sequences'] for r in g))} sequences here"
+        ref = long.get(layer)
+        if ref is None:
+            out.append(f"{line}; no long-budget check of it is published yet ({LONG}: docs/toys.md)")
+            continue
+        m = ref["metrics"]
+        verdict = (f"left chance at {_count(m['left_chance_at'])} sequences (test {m['accuracy']:.3f})"
+                   if m["left_chance_at"] is not None else f"at chance through {_count(m['sequences'])} sequences")
+        lrs = ", ".join(m["val_by_lr"])
+        out.append(f"{line}; at the recall preset's 10x budget (lrs {lrs}): {verdict} "
+                   f"(leaderboards/README.md, toys — preset {LONG})")
+    return out
+
+
+# ---- rendering -----------------------------------------------------------------------------
+
+ACC = "metrics.acc_by_kv."
+
+
+def _slices(df) -> list[str]:
+    """The acc_by_kv columns that hold a value in df, in numeric order."""
+    cols = [c for c in df.columns if c.startswith(ACC) and df[c].notna().any()]
+    return sorted(cols, key=lambda c: float(c[len(ACC):]))
+
+
+def _fmt(vals, ref=None) -> str:
+    """'mean ± half' of a 95% t-interval; ▲/▼ where it lies wholly above/below `ref`'s."""
+    m, h = mean_ci(vals)
+    mark = ""
+    if ref is not None and len(vals) > 1:
+        rm, rh = mean_ci(ref)
+        mark = " ▲" if m - h > rm + rh else " ▼" if m + h < rm - rh else ""
+    return f"{m:.3f} ± {h:.3f}{mark}" if len(vals) > 1 else f"{m:.3f}"
+
+
+def validity(df, task: str) -> list[str]:
+    """What makes the harness invalid for `task` (empty: valid): the positive control below the
+    target on the easiest slice in some seed, or the negative control above twice chance; with the
+    memory the only route (``route: memory``), also any model without fast weights (the backbone
+    alone, PKM) above twice chance on some slice: a negative control by construction."""
+    d = df[df["setting.task"] == task]
+    out = []
+    pos, neg = d[d["layer"] == POSITIVE], d[d["layer"] == NEGATIVE]
+    if pos.empty or neg.empty:
+        missing = " and ".join(c for c, g in ((POSITIVE, pos), (NEGATIVE, neg)) if g.empty)
+        return [f"no rows of {missing} (toys.controls off, or the run stopped before them)"]
+    easiest = _slices(d)[0]
+    for w, g in pos.groupby("setting.d_model"):
+        worst = g[easiest].min()
+        if worst < 0.99:
+            out.append(f"the positive control reaches only {worst:.3f} at {TITLES[task][1]}={easiest[len(ACC):]}, d={w}")
+    for w, g in neg.groupby("setting.d_model"):
+        acc, chance = g["metrics.accuracy"].mean(), g["metrics.chance"].iloc[0]
+        if acc > 2 * chance:
+            out.append(f"the negative control is at {acc:.3f}, above twice chance ({chance:.3f}) at d={w}")
+    if "setting.route" in d and (d["setting.route"] == "memory").any():
+        slow = d[~d["layer"].isin(CONTROLS) & (d["metrics.mem_state"] == 0)]
+        for (layer, w), g in slow.groupby(["layer", "setting.d_model"]):
+            chance = g["metrics.chance"].iloc[0]
+            for c in _slices(d):
+                if g[c].mean() > 2 * chance:
+                    out.append(f"{layer}, which has no fast weights, recalls {g[c].mean():.3f} at "
+                               f"{TITLES[task][1]}={c[len(ACC):]}, d={w}: above twice chance ({chance:.3f}), so the "
+                               f"backbone reaches past the memory")
+    return out
+
+
+def _task_table(df, task: str, slice_name: str):
+    import pandas as pd
+
+    d = df[df["setting.task"] == task]
+    base = d[d["layer"] == BASELINE]
+    recs = []
+    for layer in layer_order(d["layer"]):
+        for w in sorted(d["setting.d_model"].unique()):
+            g = d[(d["layer"] == layer) & (d["setting.d_model"] == w)].sort_values("seed")
+            if g.empty:
+                continue
+            b = base[base["setting.d_model"] == w]
+            b = None if layer == BASELINE or b.empty else b
+            ref = lambda c: None if b is None else list(b[c].dropna())  # noqa: E731
+            rec = {"layer": layer, "d_model": int(w), "seeds": len(g)}
+            if "preset" in g and d["preset"].nunique() > 1:
+                rec["preset"] = g["preset"].iloc[0]
+            for c in _slices(d):
+                rec[f"{slice_name}={c[len(ACC):]}"] = _fmt(list(g[c].dropna()), ref(c))
+            rec["mean"] = _fmt(list(g["metrics.accuracy"]), ref("metrics.accuracy"))
+            # seeds whose mean leaves chance (twice chance): a wide interval from seeds that split shows here
+            rec["left chance"] = f"{int((g['metrics.accuracy'] > 2 * g['metrics.chance']).sum())}/{len(g)}"
+            if "metrics.sequences" in g and g["metrics.sequences"].notna().all():
+                rec["left chance at"] = _left_at(g)
+                rec["budget (max)"] = f"{_count(g['metrics.sequences'].median())} ({_count(g['metrics.sequences'].max())})"
+            else:  # rows of protocol 2 and before kept no validation history, nor their budget in sequences
+                rec["left chance at"] = ""
+                rec["budget (max)"] = f"{int(g['metrics.steps'].median())} steps ({int(g['metrics.steps'].max())})"
+            stops = g["metrics.stop"].value_counts()
+            rec["stop"] = ", ".join(f"{n} {k}" for k, n in sorted(stops.items()))
+            rec["lr"] = _lrs(g)
+            if "metrics.left_chance_at_by_lr" in g or any(c.startswith("metrics.left_chance_at_by_lr.") for c in g):
+                rec["val by lr (left chance at)"] = _by_lr(g)
+            rec["state"] = int(g["metrics.state_size"].iloc[0])
+            recs.append(rec)
+    return pd.DataFrame(recs)
+
+
+def _count(n) -> str:
+    """A number of sequences, short: 640 / 12.8k / 1.28M."""
+    n = float(n)
+    for unit, div in (("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def _left_at(g) -> str:
+    """When a layer's seeds first left chance on validation, in sequences trained (the median of
+    those that did, and how many did); a layer that never did is "at chance through" its budget."""
+    at = g["metrics.left_chance_at"].dropna() if "metrics.left_chance_at" in g else []
+    if len(at) == 0:
+        return f"at chance through {_count(g['metrics.sequences'].max())}"
+    return _count(at.median()) + ("" if len(at) == len(g) else f" ({len(at)}/{len(g)} seeds)")
+
+
+def _lrs(g) -> str:
+    """The lrs chosen on validation; "none (at chance)" for a seed at chance at every lr, "(edge)"
+    for an lr chosen at the edge of the lrs tried."""
+    out = []
+    def flag(r, key) -> bool | None:
+        v = r.get(key)
+        return None if v is None or v != v else bool(v)  # absent, NaN (rows of protocol 2): None
+
+    for _, r in g.iterrows():
+        tried = sum(1 for c in g.columns if c.startswith("metrics.val_by_lr.") and r[c] == r[c])  # (not NaN)
+        if flag(r, "metrics.lr_chosen") is False:
+            out.append("none (at chance)")
+        else:
+            out.append(f"{r['metrics.lr']:g}" + (" (edge)" if flag(r, "metrics.lr_at_edge") and tried > 1 else ""))
+    return ", ".join(sorted(set(out)))
+
+
+def _by_lr(g) -> str:
+    """Each lr tried: its validation accuracy (mean over seeds) and, if it left chance, when (median)."""
+    lrs = sorted(float(c[len("metrics.val_by_lr."):]) for c in g.columns
+                 if c.startswith("metrics.val_by_lr.") and g[c].notna().any())
+    parts = []
+    for lr in lrs:
+        k = f"{lr:g}"
+        val = g[f"metrics.val_by_lr.{k}"].dropna()
+        at = g.get(f"metrics.left_chance_at_by_lr.{k}")
+        at = at.dropna() if at is not None else []
+        parts.append(f"{k}: {val.mean():.3f}" + (f" @ {_count(at.median())}" if len(at) else ""))
+    return "; ".join(parts)
+
+
+TITLES = {"mqar": ("MQAR test accuracy by key-value pairs", "kv"),
+          "ar": ("Ba's associative retrieval test accuracy by pairs", "pairs")}
+MEMORY_ROUTE = (", the memory the only route (a local backbone; every query lies beyond its reach, so the backbone "
+                "alone and PKM are negative controls)")
+
+
+def incomplete(df) -> tuple:
+    """(df without them, {task: ["layer (n of N seeds)", ...]}): the layers and variants of a task
+    and width with fewer seeds than the baseline's there, such as a cell whose run was stopped
+    between seeds (a resumed run adds the rest). A published cell has every seed; the controls
+    stay, since the validity of the harness is judged on each of their seeds."""
+    keep, out = df.index == df.index, {}
+    for (task, w), d in df.groupby(["setting.task", "setting.d_model"]):
+        full = d.loc[d["layer"] == BASELINE, "seed"].nunique()
+        for layer, g in d.groupby("layer"):
+            n = g["seed"].nunique()
+            if layer != BASELINE and layer not in CONTROLS and n < full:
+                keep &= ~df.index.isin(g.index)
+                out.setdefault(task, []).append(f"{layer} ({n} of {full} seeds)")
+    return df[keep], {k: sorted(v) for k, v in out.items()}
+
+
+def tables(df) -> dict:
+    """Per task: test accuracy by slice (mean ± 95% interval over seeds, ▲/▼ against the
+    baseline), steps and stops, chosen lr and state size; then the state and parameters per
+    model. A task whose controls fail shows the controls only, under a title that says so; a
+    layer with fewer seeds than the baseline is left out and named in the title (`incomplete`)."""
+    import pandas as pd
+
+    df, partial = incomplete(df)
+    out = {}
+    for task in [t for t in TASKS if t in set(df["setting.task"])]:
+        title, sl = TITLES[task]
+        d = df[df["setting.task"] == task]
+        if "setting.route" in d and (d["setting.route"] == "memory").any():
+            title += MEMORY_ROUTE
+        t = _task_table(df, task, sl)
+        bad = validity(df, task)
+        if bad:
+            title = f"HARNESS INVALID for {task} ({'; '.join(bad)}): layer rows withheld; the controls"
+            t = t[t["layer"].isin(CONTROLS)]
+        elif task in partial:
+            title += f" (withheld until every seed has run: {', '.join(partial[task])})"
+        out[title] = t.reset_index(drop=True)
+    first = df.sort_values("seed").groupby(["layer", "setting.task", "setting.d_model"], as_index=False).first()
+    first = first[first["setting.task"] == next(t for t in TASKS if t in set(first["setting.task"]))]
+    order = {n: i for i, n in enumerate(layer_order(first["layer"]))}
+    first = first.assign(_k=first["layer"].map(order)).sort_values(["_k", "setting.d_model"])
+    out["Recurrent state per sequence (numbers) and parameters"] = pd.DataFrame({
+        "layer": first["layer"].values,
+        "d_model": first["setting.d_model"].astype(int).values,
+        "GDN state": first["metrics.gdn_state"].astype(int).values,
+        "KV cache": first.get("metrics.kv_cache", pd.Series(0, index=first.index)).fillna(0).astype(int).values,
+        "memory state": first["metrics.mem_state"].astype(int).values,
+        "total": first["metrics.state_size"].astype(int).values,
+        "memory shared by the batch": first["metrics.state_shared"].map(lambda x: "yes" if x else "no").values,
+        f"params ({first['setting.task'].iloc[0]})": first["metrics.params"].astype(int).values,
+        "train tokens/s": first["metrics.tokens_per_s"].astype(int).values,
+    })
+    return out
+
+
+def _within_unit(stats) -> list[list[float]]:
+    """Error bars of (mean, half-width) pairs as matplotlib's [below, above], cut at 0 and 1: an
+    accuracy's t-interval over a few erratic seeds can reach past both."""
+    return [[min(h, m) for m, h in stats], [min(h, 1 - m) for m, h in stats]]
+
+
+def _curves(m, order, palette, widths, path: Path) -> Path:
+    """Validation accuracy (the slices' mean) against sequences trained, log x: a line per seed of
+    each model (its chosen lr's training), twice chance dotted; a panel per width."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(widths), figsize=(4.8 * len(widths) + 1.4, 4), sharey=True, squeeze=False)
+    for ax, w in zip(axes[0], widths):
+        chance = None
+        for layer in order:
+            g = m[(m["layer"] == layer) & (m["setting.d_model"] == w)].sort_values("seed")
+            label = layer
+            for _, r in g.iterrows():
+                hist = r["metrics.history"]
+                if not isinstance(hist, list) or not hist:
+                    continue
+                ax.plot([h["sequences"] for h in hist], [h["val"] for h in hist], color=palette[layer], lw=1, alpha=0.8,
+                        linestyle="--" if layer in CONTROLS else "-", label=label)
+                label, chance = None, r["metrics.chance"]
+        if chance is not None:
+            ax.axhline(2 * chance, color="grey", lw=0.6, ls=":")
+        ax.set_xscale("log")
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("sequences trained (log scale)")
+        ax.set_title(f"MQAR validation, d_model={w}")
+    axes[0][0].set_ylabel("validation accuracy (mean over kv; a line per seed)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.tight_layout()
+    return save_png(fig, path)
+
+
+def figures(df, out_dir: Path) -> list[Path]:
+    """toys_mqar_capacity.png: MQAR test accuracy against kv pairs, a line per model with its
+    95% interval (cut at 0 and 1) and a cross per seed, a panel per width. toys_mqar_state.png:
+    mean accuracy against the recurrent state per sequence (a point per width, a dotted line
+    through a layer's size variants such as ``fwpkm/token`` and ``fwpkm/token-small``; the
+    attention control's state is its KV cache; a model without state, ctrl:none, has no place on
+    its log axis). toys_mqar_curves.png: the learning curves (`_curves`), where the rows keep them. A
+task whose controls fail is not drawn, nor a layer with fewer seeds than the baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    df = incomplete(df)[0]
+    m = df[df["setting.task"] == "mqar"]
+    if m.empty or validity(df, "mqar"):
+        return []
+    order = layer_order(m["layer"])
+    palette = dict(zip(order, sns.color_palette("tab10" if len(order) <= 10 else "tab20", len(order))))  # no colour twice
+    widths = sorted(int(w) for w in m["setting.d_model"].unique())
+    kvs = [int(c[len(ACC):]) for c in _slices(m)]
+    paths = []
+
+    fig, axes = plt.subplots(1, len(widths), figsize=(4.8 * len(widths) + 1.4, 4), sharey=True, squeeze=False)
+    for ax, w in zip(axes[0], widths):
+        for i, layer in enumerate(order):
+            g = m[(m["layer"] == layer) & (m["setting.d_model"] == w)]
+            if g.empty:
+                continue
+            xs = [k * 2 ** (0.05 * (i - (len(order) - 1) / 2)) for k in kvs]  # dodged, so that bars do not hide each other
+            stats = [mean_ci(list(g[f"{ACC}{k}"].dropna())) for k in kvs]
+            ax.errorbar(xs, [a for a, _ in stats], yerr=_within_unit(stats), label=layer, marker="o", capsize=3,
+                        color=palette[layer], linestyle="--" if layer in CONTROLS else "-")
+            for _, r in g.sort_values("seed").iterrows():  # each seed: erratic seeds make wide intervals
+                ax.scatter(xs, [r[f"{ACC}{k}"] for k in kvs], s=16, marker="x", alpha=0.6, color=palette[layer],
+                           linewidths=1)
+        ax.axhline(0.5, color="grey", lw=0.6, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(kvs, [str(k) for k in kvs])
+        ax.minorticks_off()
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("key-value pairs")
+        ax.set_title(f"MQAR, d_model={w}")
+    axes[0][0].set_ylabel("test accuracy (mean, 95% interval; x: seeds)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))  # outside: no point hidden
+    fig.tight_layout()
+    paths.append(save_png(fig, Path(out_dir) / "toys_mqar_capacity.png"))
+
+    if "metrics.history" in m and m["metrics.history"].notna().any():
+        paths.append(_curves(m, order, palette, widths, Path(out_dir) / "toys_mqar_curves.png"))
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for layer in order:
+        g = m[(m["layer"] == layer) & (m["metrics.state_size"] > 0)]  # no state (ctrl:none): off a log axis
+        pts = []
+        for w in widths:
+            gw = g[g["setting.d_model"] == w]
+            if not gw.empty:
+                pts.append((float(gw["metrics.state_size"].iloc[0]), *mean_ci(list(gw["metrics.accuracy"])), w))
+        if pts:
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=_within_unit([p[1:3] for p in pts]), label=layer,
+                        marker="o", capsize=3, color=palette[layer], linestyle="--" if layer in CONTROLS else "-")
+            for x, y, _, w in pts:
+                ax.annotate(f"d={w}", (x, y), xytext=(4, -10), textcoords="offset points", fontsize=7,
+                            color=palette[layer])
+    sizes: dict[str, list] = {}  # a layer's size variants (fwpkm/token, fwpkm/token-small): one curve
+    for layer in order:
+        g = m[(m["layer"] == layer) & (m["metrics.state_size"] > 0)]
+        if not g.empty and layer not in CONTROLS:
+            sizes.setdefault(layer.split("-")[0], []).append(
+                (float(g["metrics.state_size"].max()), float(g["metrics.accuracy"].mean()), layer))
+    for base, pts in sizes.items():
+        if len(pts) > 1:
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=palette[pts[-1][2]], lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("recurrent state per sequence (numbers, log scale)")
+    ax.set_ylabel("MQAR test accuracy (mean over kv counts)")
+    ax.set_title("MQAR accuracy against state size")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(save_png(fig, Path(out_dir) / "toys_mqar_state.png"))
+    return paths
+
+
+def reading(df) -> list[str]:
+    """The reading note's lines computed from the section's rows: how the trainings stopped, and
+    which layers' rows are statements about their budget (at chance or capped in every seed)."""
+    out = []
+    stops = df["metrics.stop"].value_counts()
+    out.append("Stops: " + ", ".join(f"{n} {k}" for k, n in sorted(stops.items())) + ".")
+    if "metrics.sequences" in df:
+        short = df[df["metrics.stop"].isin(["chance", "capped"]) & ~df["layer"].isin(CONTROLS)]
+        for layer, g in sorted(short.groupby("layer"), key=lambda kv: layer_order(short["layer"]).index(kv[0])):
+            if (df["layer"] == layer).sum() == len(g):
+                out.append(f"{layer}: every seed stopped {' or '.join(sorted(set(g['metrics.stop'])))} "
+                           f"through {_count(g['metrics.sequences'].max())} sequences: a statement about that budget.")
+    return out
