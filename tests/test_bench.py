@@ -285,8 +285,12 @@ def test_leaderboard_renders_byte_for_byte(micro, tmp_path):
     first = {p: p.read_bytes() for p in files}
     for p in files:
         p.unlink()
+    stale = out / "figures" / "gone" / "old.png"  # a figure of a section that no longer exists
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"png")
     assert main(["leaderboard", "--out", str(out)]) == 0
     assert {p: p.read_bytes() for p in files} == first
+    assert not stale.exists() and not stale.parent.exists()
     readme = (out / "README.md").read_text()
     assert "## ppl" in readme and "| fwpkm" in readme and "| baseline" in readme
 

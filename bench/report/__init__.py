@@ -164,6 +164,12 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
     lines += ["## Runs", "", *_runs_table(rows), ""]
     readme = out / "README.md"
     write_text(readme, "\n".join(lines))
+    for stale in sorted((out / "figures").rglob("*.png")) if (out / "figures").is_dir() else []:
+        if stale not in written:  # a figure no section draws any more (a section renamed or withheld)
+            stale.unlink()
+    for folder in sorted((out / "figures").glob("*/")) if (out / "figures").is_dir() else []:
+        if not any(folder.iterdir()):
+            folder.rmdir()
     return [readme, *written]
 
 
