@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -130,9 +131,51 @@ def suite_tables(rows: list[dict]):
             yield name, preset, title, table
 
 
+@dataclass
+class Section:
+    """One published section: a suite and preset on one machine model and protocol version, with
+    everything both renderings (README.md, the site) show of it."""
+
+    suite: str
+    preset: str
+    heading: str
+    lead: str  # what the suite measures (its docstring's first paragraph)
+    provenance: str
+    tables: dict  # title -> DataFrame
+    note: str  # the suite's reading note (protocol text)
+    reading: list  # lines computed from the rows
+    figures: list  # paths of the PNGs drawn
+    problems: list | None  # what makes the harness invalid here (empty: valid; None: no harness check)
+    rows: list  # the rows shown
+
+
+def sections(rows: list[dict], out: Path) -> list[Section]:
+    """Every section of `rows`, with its figures drawn under ``out/figures``. Rows of a suite that
+    no module renders are left out with a warning (as a torn last line is)."""
+    import warnings
+
+    unknown = sorted({r["suite"] for r in rows} - set(NAMES) - {"failed"})
+    if unknown:
+        warnings.warn(f"rows of unknown suite(s) {', '.join(unknown)} are not rendered", stacklevel=2)
+    out_sections = []
+    for name, preset, mod, df, shown in _groups(rows, with_rows=True):
+        heading = section_name(name, preset, shown, rows)
+        out_sections.append(Section(
+            suite=name, preset=preset, heading=heading,
+            lead=(suite(name).__doc__ or "").strip().split("\n\n")[0],
+            provenance=provenance(shown), tables=mod.tables(df), note=getattr(mod, "NOTE", "").strip(),
+            reading=list(getattr(mod, "reading", lambda df: [])(df)),
+            figures=list(mod.figures(df, out / "figures" / _folder(heading, preset))),
+            problems=getattr(mod, "problems", lambda df: None)(df), rows=shown))
+    return out_sections
+
+
 def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Path | None = None) -> list[Path]:
-    """Write README.md and the PNGs next to results.jsonl (or into `out_dir`); return the paths."""
+    """Write README.md, the PNGs and the site (``site/index.html``) next to results.jsonl (or into
+    `out_dir`); return the paths. Figures no section draws any more are removed."""
     import matplotlib
+
+    from memzoo.bench.report.site import write_site
 
     matplotlib.use("Agg")
     results = Path(results)
@@ -140,37 +183,37 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
     rows = read_results(results)
     if not rows:
         raise FileNotFoundError(f"no results in {results}: run `memzoo bench` first")
-    written, lines = [], [
+    secs = sections(rows, out)
+    written = [p for sec in secs for p in sec.figures]
+    lines = [
         "# memzoo leaderboard",
         "",
         f"Rendered by `memzoo leaderboard` from `{RESULTS}` ({len(rows)} rows) and nothing else; every number",
         "below was measured by `memzoo bench` (the runs are listed at the end, each row's full config,",
         "versions and hardware are in the JSONL). Where a setting was measured more than once, the latest",
-        "row is shown.",
+        "row is shown. To sort, filter and open each row's provenance: `site/index.html` (open it in a browser).",
         "",
     ]
-    for name, preset, mod, df, shown in _groups(rows, with_rows=True):
-        lines += [f"## {section_name(name, preset, shown, rows)}", ""]
-        doc = (suite(name).__doc__ or "").strip().split("\n\n")[0]  # what the suite measures
-        lines += [doc, "", provenance(shown), ""]
-        for title, table in mod.tables(df).items():
+    for sec in secs:
+        lines += [f"## {sec.heading}", "", sec.lead, "", sec.provenance, ""]
+        for title, table in sec.tables.items():
             lines += [f"**{title}**", "", markdown(table), ""]
-        note = [getattr(mod, "NOTE", "").strip(), *getattr(mod, "reading", lambda df: [])(df)]
-        if any(note):
-            lines += ["\n".join(n for n in note if n), ""]
-        for path in mod.figures(df, out / "figures" / _folder(section_name(name, preset, shown, rows), preset)):
-            written.append(path)
-            lines += [f"![{path.stem}]({path.relative_to(out).as_posix()})", ""]
+        if sec.note:
+            lines += [sec.note, ""]
+        if sec.reading:
+            lines += [*(f"- {line}" for line in sec.reading), ""]
+        lines += [x for path in sec.figures for x in (f"![{path.stem}]({path.relative_to(out).as_posix()})", "")]
     lines += ["## Runs", "", *_runs_table(rows), ""]
     readme = out / "README.md"
     write_text(readme, "\n".join(lines))
+    site = write_site(secs, rows, out)
     for stale in sorted((out / "figures").rglob("*.png")) if (out / "figures").is_dir() else []:
         if stale not in written:  # a figure no section draws any more (a section renamed or withheld)
             stale.unlink()
     for folder in sorted((out / "figures").glob("*/")) if (out / "figures").is_dir() else []:
         if not any(folder.iterdir()):
             folder.rmdir()
-    return [readme, *written]
+    return [readme, site, *written]
 
 
 def _runs_table(rows: list[dict]) -> list[str]:

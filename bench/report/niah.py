@@ -277,3 +277,8 @@ def reading(df) -> list[str]:
     out.append(f"Training seeds: {', '.join(f'{n} ({seeds[n]})' for n in several)}; every other row one."
                if several else "Every row is one training seed: its intervals are over haystacks, not trainings.")
     return out
+
+
+def problems(df) -> list[str]:
+    """What makes the harness invalid in this section (empty: valid)."""
+    return validity(df)

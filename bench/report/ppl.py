@@ -275,3 +275,10 @@ def reading(df) -> list[str]:
     out.append(f"Training seeds: {', '.join(f'{n} ({seeds[n]})' for n in several)}; every other row one."
                if several else "Every row is one training seed: its intervals are over sequences or passages, not trainings.")
     return out
+
+
+def problems(df) -> list[str] | None:
+    """What makes the repeated-passage probe invalid (empty: valid); None where the section has
+    no probe (its losses have no control with a known answer)."""
+    probe = df[df["setting.corpus"] == "repeat"]
+    return None if probe.empty else validity(probe)

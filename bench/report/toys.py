@@ -397,3 +397,8 @@ def reading(df) -> list[str]:
                 out.append(f"{layer}: every seed stopped {' or '.join(sorted(set(g['metrics.stop'])))} "
                            f"through {_count(g['metrics.sequences'].max())} sequences: a statement about that budget.")
     return out
+
+
+def problems(df) -> list[str]:
+    """What makes the harness invalid in this section, task by task (empty: valid)."""
+    return [f"{task}: {p}" for task in TASKS if task in set(df["setting.task"]) for p in validity(df, task)]

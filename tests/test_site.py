@@ -1,0 +1,129 @@
+"""The leaderboard's web page (leaderboards/site/index.html) in a real browser: headless Chromium,
+driven by selenium, loads the published page from disk. No console error, every published
+section, sorting, the layer filter, a row's provenance, a screenshot that is not blank, and no
+request that leaves the machine. Needs Debian's chromium and chromium-driver and the selenium
+package (`.ci/run` installs them); skipped without them, except under CI, where it fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "leaderboards" / "site" / "index.html"
+
+
+def _driver():
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        if os.environ.get("CI"):
+            pytest.fail("chromium and chromium-driver are not installed (.ci/run installs them)")
+        pytest.skip("needs Debian's chromium and chromium-driver")
+    try:
+        from selenium import webdriver
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("needs selenium (pip install 'memzoo[test]')")
+    opts = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        opts.add_argument(arg)
+    opts.binary_location = shutil.which("chromium")
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
+    return webdriver.Chrome(options=opts, service=service)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    d = _driver()
+    d.get(PAGE.as_uri())
+    yield d
+    d.quit()
+
+
+def _visible_rows(table):
+    return [r for r in table.find_elements("css selector", "tbody tr.row") if r.is_displayed()]
+
+
+def test_the_page_loads_with_every_section_and_no_error_or_request_off_the_machine(browser, tmp_path):
+    from PIL import Image
+
+    headings = [h.text for h in browser.find_elements("css selector", "section > h2")]
+    published = [h[3:].replace("`", "") for h in (ROOT / "leaderboards" / "README.md").read_text().splitlines()
+                 if h.startswith("## ") and h != "## Runs"]
+    assert headings == published and len(headings) >= 5
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert errors == []
+    urls = []
+    for entry in browser.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        if msg["method"] == "Network.requestWillBeSent":
+            urls.append(msg["params"]["request"]["url"])
+    assert urls and all(u.startswith(("file://", "data:")) for u in urls), [u for u in urls if not u.startswith("file")]
+    imgs = browser.find_elements("css selector", "img")
+    assert imgs and all(browser.execute_script("return arguments[0].naturalWidth", i) > 0 for i in imgs)  # loaded
+    shot = tmp_path / "page.png"
+    browser.find_element("css selector", "section").screenshot(str(shot))
+    colours = Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)
+    assert colours is not None and len(colours) > 20  # text, tables and marks, not a blank page
+
+
+def test_sorting_a_column_reorders_its_rows(browser):
+    table = browser.find_element("css selector", "table")
+    header = table.find_elements("css selector", "th")
+    col = next(i for i, h in enumerate(header) if h.text.strip() in ("mean", "params (M)", "tokens/s", "params"))
+    before = [r.find_elements("css selector", "td")[col].text for r in _visible_rows(table)]
+    header[col].click()
+    after = [r.find_elements("css selector", "td")[col].text for r in _visible_rows(table)]
+    num = [float(re.match(r"[-+]?[\d.]+", v.replace(",", "")).group()) for v in after]
+    assert sorted(before) == sorted(after) and num == sorted(num)  # the same rows, ascending
+    header[col].click()
+    again = [r.find_elements("css selector", "td")[col].text for r in _visible_rows(table)]
+    assert again == after[::-1] or [float(re.match(r"[-+]?[\d.]+", v.replace(",", "")).group()) for v in again] == sorted(num, reverse=True)
+
+
+def test_filtering_to_one_layer_leaves_its_rows_and_the_controls(browser):
+    from selenium.webdriver.support.ui import Select
+
+    layer = "linear"
+    Select(browser.find_element("id", "layer")).select_by_value(layer)
+    shown = [r for r in browser.find_elements("css selector", "tr.row[data-layer]") if r.is_displayed()]
+    kinds = {r.get_attribute("data-layer") for r in shown}
+    assert layer in kinds and kinds <= {layer, "ctrl:attention", "ctrl:none"}
+    Select(browser.find_element("id", "layer")).select_by_value("")
+    assert len([r for r in browser.find_elements("css selector", "tr.row[data-layer]") if r.is_displayed()]) > len(shown)
+
+
+def test_a_row_opens_its_provenance(browser):
+    row = next(r for r in browser.find_elements("css selector", "tr.row[data-layer]") if r.is_displayed())
+    row.click()
+    prov = row.find_element("xpath", "following-sibling::tr[1]")
+    assert "prov" in prov.get_attribute("class") and prov.is_displayed()
+    assert "run " in prov.text and "commit " in prov.text and "config of the latest" in prov.text
+    row.click()
+    assert not prov.is_displayed()
+
+
+def test_a_torn_last_line_and_an_unknown_suite_still_write_the_page(tmp_path):
+    """As the Markdown does: a warning for each, and the page of the rest."""
+    from memzoo.bench.report import render
+
+    rows = [json.loads(line) for line in (ROOT / "leaderboards" / "results.jsonl").read_text().splitlines()
+            if '"suite": "cost"' in line and '"preset": "tiny"' in line][:3]
+    assert rows
+    odd = {**rows[0], "suite": "speed", "run_id": "x"}
+    text = "".join(json.dumps(r) + "\n" for r in [*rows, odd]) + json.dumps(rows[0])[:40]
+    (tmp_path / "results.jsonl").write_text(text)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        paths = render(tmp_path / "results.jsonl")
+    said = " ".join(str(w.message) for w in caught)
+    assert "the last line is not a whole row" in said and "unknown suite(s) speed" in said
+    page = (tmp_path / "site" / "index.html").read_text()
+    assert tmp_path / "site" / "index.html" in paths and "cost — preset tiny" in page and "speed" not in page
