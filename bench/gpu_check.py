@@ -13,7 +13,10 @@ costs its limit, not the loan), with its log in DIR/<step>.log:
     cost     the paper preset's cost suite on CUDA: Table 2's configs, GDN, +FwPKM, +PKM first,
              as many as fit its limit; rows in DIR/results.jsonl
     kernels  bench_kernels: each FwPKM kernel and one FwPKM layer step against the torch path (last:
-             it takes the time left)
+             it takes the time left, at least its reserve, which the steps before it leave)
+
+A step that measures as much as its limit allows (cost, kernels) and is stopped there is reported as
+such, not as a failure; the command exits 1 only when a step failed or was skipped.
 
 Then DIR/summary.md and DIR/summary.json: per step its status, time and figures, and the device.
 The cost rows are bench rows (`memzoo leaderboard` renders them): append DIR/results.jsonl to
@@ -43,6 +46,8 @@ class Step:
     name: str
     limit_s: int  # its own cap; 0: what the budget has left
     what: str
+    reserve_s: int = 0  # kept for it from the budget while the steps before it run
+    open_ended: bool = False  # measures as much as its limit allows: stopped there by design, not failed
 
     def command(self, out: Path, scratch: Path, train_steps: int) -> list[str]:
         py = [sys.executable, "-m"]
@@ -60,9 +65,18 @@ class Step:
 STEPS = [
     Step("tests", 180, "tests/test_cuda.py: kernels compiled vs torch, determinism, bf16 training, generation"),
     Step("train", 120, f"a short bf16 training of {TRAIN_CONFIG} on Shakespeare"),
-    Step("cost", 150, "the paper preset's cost suite on CUDA (Table 2's configs, GDN, +FwPKM, +PKM first)"),
-    Step("kernels", 0, "bench_kernels: each FwPKM kernel and one layer step vs the torch path"),
+    Step("cost", 150, "the paper preset's cost suite on CUDA (Table 2's configs, GDN, +FwPKM, +PKM first)",
+         open_ended=True),
+    Step("kernels", 0, "bench_kernels: each FwPKM kernel and one layer step vs the torch path", reserve_s=90,
+         open_ended=True),
 ]
+
+
+def limits(steps: list[Step], budget: float, elapsed: float, i: int) -> int:
+    """Step i's time limit: its own cap, within what the budget has left once the later steps'
+    reserves are set aside (the kernels step always gets its reserve)."""
+    left = budget - elapsed - sum(s.reserve_s for s in steps[i + 1:])
+    return int(min(steps[i].limit_s, left) if steps[i].limit_s else left)
 
 
 FIRST = ["paper/gdn", "paper/gdn-fwpkm2-6-10", "paper/gdn-pkm2-6-10"]  # Table 2's rows wanted most
@@ -191,9 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     write_cost_preset(scratch)
     try:
-        for s in steps:
-            left = a.budget - (time.time() - t_start)
-            limit = int(min(s.limit_s, left) if s.limit_s else left)
+        for i, s in enumerate(steps):
+            limit = limits(steps, a.budget, time.time() - t_start, i)
             if limit < 20:
                 summary["steps"][s.name] = {"status": "skipped (no time left)", "seconds": 0, "figures": []}
                 continue
@@ -205,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                                         timeout=limit).returncode
                     status = "passed" if rc == 0 else f"failed (rc {rc})"
                 except subprocess.TimeoutExpired:
-                    status = f"stopped at its limit ({limit} s)"
+                    status = f"stopped at its limit ({limit} s)" + (", by design" if s.open_ended else "")
             if s.name == "cost" and (scratch / "rows" / "results.jsonl").exists():
                 shutil.copy(scratch / "rows" / "results.jsonl", out / "results.jsonl")
             text = (out / f"{s.name}.log").read_text(errors="replace")
@@ -221,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0 if all(r["status"] == "passed" for r in summary["steps"].values()) else 1
+    ok = all(r["status"] == "passed" or r["status"].endswith("by design") for r in summary["steps"].values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -438,6 +438,18 @@ def test_gpu_check_lists_its_steps_and_refuses_a_machine_without_cuda(capsys, tm
     assert gpu_check.main(["--out", str(tmp_path)]) == 2 and not any(tmp_path.iterdir())
 
 
+def test_gpu_check_leaves_the_kernels_step_its_reserve():
+    """The issue's loan of 370 s, where the cost step took its whole cap and left the kernels
+    step nothing. By hand, every step using its whole limit: tests 180; train min(120, 370 - 180 -
+    90) = 100; cost min(150, 370 - 280 - 90) = 0, skipped; kernels 370 - 280 = 90, its reserve. With
+    450 s: tests 180, train 120, cost 60, kernels 90."""
+    from memzoo.bench.gpu_check import STEPS, limits
+
+    assert [s.name for s in STEPS][-1] == "kernels" and STEPS[-1].reserve_s == 90
+    assert [limits(STEPS, 370, t, i) for i, t in enumerate((0, 180, 280, 280))] == [180, 100, 0, 90]
+    assert [limits(STEPS, 450, t, i) for i, t in enumerate((0, 180, 300, 360))] == [180, 120, 60, 90]
+
+
 def test_gpu_check_summarises_cost_rows_and_training(tmp_path):
     from memzoo.bench import gpu_check
 
