@@ -218,14 +218,14 @@ def run_bench(
     work_dir: str | Path | None = None,
     device: str = "cpu",
     progress: bool = True,
-    jobs: int = 0,
+    jobs: int | None = None,
     resume: bool = False,
 ) -> list[dict]:
     """Run the suites and return the recorded rows (also appended to <out>/results.jsonl).
-    `jobs`: worker processes (0 = one per CPU core on CPU, 1 on CUDA). `resume`: a measurement
+    `jobs`: worker processes (None: one per CPU core on CPU, 1 on CUDA). `resume`: a measurement
     already in <out>/results.jsonl with the same config hash and seed is skipped (the toys'
     cells; the ppl and niah suites' LMs, each once all its cells are recorded), so a killed run continues where it stopped. Bad arguments (a
-    negative `jobs`, an unavailable device, an unwritable `out` or `work_dir`) fail at once."""
+    `jobs` below 1, a negative `seed`, an unavailable device, an unwritable `out` or `work_dir`) fail at once."""
     import multiprocessing as mp
     import os
     import queue as queue_mod
@@ -238,8 +238,10 @@ def run_bench(
     from memzoo.cpu import tune_cpu
     from memzoo.train import resolve_device
 
-    if jobs < 0:
-        raise ConfigError(f"--jobs must be >= 0 (0: one per CPU core on CPU, 1 on CUDA), got {jobs}")
+    if jobs is not None and jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1 (leave it out: one per CPU core on CPU, 1 on CUDA), got {jobs}")
+    if seed < 0:
+        raise ConfigError(f"--seed must be >= 0 (seeds N, N+1, ... are used), got {seed}")
     device = resolve_device(device)
     tune_cpu()
     p = load_preset(preset)

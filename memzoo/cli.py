@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="leaderboards", help="rows are appended to OUT/results.jsonl")
     b.add_argument("--work-dir", help="cache of trained LMs (default runs/bench/<preset>)")
     b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (cuda if available)")
-    b.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per CPU core on CPU, 1 on CUDA)")
+    b.add_argument("--jobs", type=int, default=None, help="worker processes, >= 1 (default: one per CPU core on CPU, 1 on CUDA)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.add_argument("--resume", action="store_true",
                    help="skip what OUT/results.jsonl already holds for the same config and seed (a killed run continues)")

@@ -157,8 +157,11 @@ def test_bad_settings_fail_early_in_one_line(tmp_path, monkeypatch, capsys):
     bench = ["bench", "--suite", "cost", "--out", str(tmp_path / "lb"), "--work-dir", str(tmp_path / "w"), "--quiet"]
     assert main([*bench, "--device", "cuda:1"]) == 2
     assert "device 'cuda:1' is not available" in _err_line(capsys)
-    assert main([*bench, "--jobs", "-1"]) == 2
-    assert "--jobs must be >= 0" in _err_line(capsys)
+    for bad in ("-1", "0"):
+        assert main([*bench, "--jobs", bad]) == 2
+        assert f"--jobs must be >= 1 (leave it out: one per CPU core on CPU, 1 on CUDA), got {bad}" in _err_line(capsys)
+    assert main([*bench, "--seed", "-1"]) == 2
+    assert "--seed must be >= 0 (seeds N, N+1, ... are used), got -1" in _err_line(capsys)
     assert main([*bench[:4], str(tmp_path / "afile" / "lb"), *bench[5:]]) == 2
     assert "cannot write to" in _err_line(capsys)
 
