@@ -400,7 +400,7 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     mq = tabs["MQAR test accuracy by key-value pairs"]
     assert list(mq["layer"]) == [BASELINE, BASELINE, "fwpkm", "fwpkm", *[c for c in toys.CONTROLS for _ in (16, 24)]]
     assert {"kv=1", "kv=2", "mean", "budget (max)", "left chance at", "stop", "lr", "state", "seeds"} <= set(mq.columns)
-    assert mq.loc[mq["layer"] == toys.POSITIVE, "kv=1"].str.startswith("1.000 ± 0.000").all()
+    assert mq.loc[mq["layer"] == toys.POSITIVE, "kv=1"].str.startswith("1.000 [").all()
     for t in tabs.values():
         assert t.to_markdown()
     paths = toys_report.figures(df, tmp_path / "a")
@@ -431,16 +431,30 @@ def test_a_layer_short_of_the_baselines_seeds_is_withheld(tmp_path):
     assert [p.name for p in toys_report.figures(df, tmp_path)] == ["toys_mqar_capacity.png", "toys_mqar_state.png"]
 
 
-def test_figure_intervals_stop_at_0_and_1():
-    # (mean, half-width) -> [below], [above]: 0.348 ± 0.589 (the capacity baseline's kind of spread)
-    below, above = toys_report._within_unit([(0.348, 0.589), (0.998, 0.004), (0.5, 0.1)])
-    assert below == pytest.approx([0.348, 0.004, 0.1]) and above == pytest.approx([0.589, 0.002, 0.1])
+def test_figure_intervals_stay_within_0_and_1():
+    """Three bimodal seeds (the capacity baseline's kind: 0.97, 0.04, 0.03) and three agreeing ones:
+    the bars (logit intervals) never reach past 0 or 1."""
+    means, (below, above) = toys_report._bars([[0.97, 0.04, 0.03], [0.998, 0.999, 0.997], [0.5, 0.6, 0.4]])
+    for m, b, a in zip(means, below, above):
+        assert 0 <= m - b <= m <= m + a <= 1
+    assert means[0] == pytest.approx(1.04 / 3)
+
+
+def test_bimodal_seeds_are_shown_as_two_groups_and_capped_ones_unmarked():
+    assert toys_report._fmt([0.97, 0.04, 0.03]) == "1/3 at 0.970, 2 at 0.035"
+    assert toys_report._fmt([0.96, 0.98, 0.03]) == "2/3 at 0.970, 1 at 0.030"
+    text = toys_report._fmt([0.90, 0.91, 0.92])
+    lo, hi = (float(x) for x in text[text.index("[") + 1 : text.index("]")].split(", "))
+    assert text.startswith("0.910 [") and 0 <= lo < 0.91 < hi <= 1
+    ref = [0.5, 0.51, 0.52]
+    assert toys_report._fmt([0.90, 0.91, 0.92], ref).endswith(" ▲")
+    assert not toys_report._fmt([0.90, 0.91, 0.92], ref, marked=False).endswith("▲")  # a capped seed: no mark
 
 
 def test_interval_marks_against_the_baseline():
     assert toys_report._fmt([0.9, 0.91, 0.92], ref=[0.5, 0.51, 0.52]).endswith(" ▲")
     assert toys_report._fmt([0.1, 0.11, 0.12], ref=[0.5, 0.51, 0.52]).endswith(" ▼")
-    assert toys_report._fmt([0.5, 0.6, 0.4], ref=[0.5, 0.51, 0.52]) == "0.500 ± 0.248"
+    assert "▲" not in toys_report._fmt([0.5, 0.6, 0.4], ref=[0.5, 0.51, 0.52])  # the intervals overlap
 
 
 def test_evaluation_leaves_persistent_memories_as_they_were(tmp_path):

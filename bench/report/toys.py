@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, mean_ci
+from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci, mean_ci
 from memzoo.bench.report import layer_order, save_png
 from memzoo.bench.suites.toys import NAME, TASKS
 
 NOTE = """Accuracy is on the labelled positions of the test sets (MQAR: every query; Ba's task: the answer
-after the query), mean ± the half-width of a 95% t-interval over the seeds; ▲ / ▼: the layer's
-interval lies wholly above / below the baseline's. Each training ran until validation accuracy
+after the query): the seeds' mean with the 95% interval of their logits [lo, hi], which stays within
+0-1; seeds that split into two clusters (some solved, some at chance) are shown as the two ("2/3 at a,
+1 at b"), not as one interval. ▲ / ▼: the layer's interval lies wholly above / below the baseline's
+(never for a layer with a capped seed, whose value its budget may have set). Each training ran until validation accuracy
 reached the target or stopped improving (*stop*: solved / plateau / chance / capped; a capped cell did not
 converge; *chance*: stopped at chance, a statement about the budget), with the learning rate chosen
 on the validation sets ("(edge)": chosen at the edge of the lrs tried; "none": at chance at every lr).
@@ -70,14 +72,37 @@ def _slices(df) -> list[str]:
     return sorted(cols, key=lambda c: float(c[len(ACC):]))
 
 
-def _fmt(vals, ref=None) -> str:
-    """'mean ± half' of a 95% t-interval; ▲/▼ where it lies wholly above/below `ref`'s."""
-    m, h = mean_ci(vals)
+#: seeds split into two groups this far apart (in accuracy) are shown as two groups, not one interval
+SPLIT = 0.4
+
+
+def _split(vals) -> tuple[list, list] | None:
+    """(the low group, the high group) of seeds whose accuracies fall into two clusters with a gap
+    wider than SPLIT between them (some seeds solved, some at chance), else None."""
+    v = sorted(vals)
+    gaps = [(b - a, i) for i, (a, b) in enumerate(zip(v, v[1:]))]
+    if len(v) < 2 or max(gaps)[0] <= SPLIT:
+        return None
+    i = max(gaps)[1]
+    return v[: i + 1], v[i + 1:]
+
+
+def _fmt(vals, ref=None, marked: bool = True) -> str:
+    """The seeds' accuracies: 'mean [lo, hi]' with the 95% interval of their logits (it stays within
+    0-1), or, where the seeds split into two clusters, 'k/n at a, the rest at b'; ▲/▼ where the
+    interval lies wholly above/below `ref`'s (`marked`: not for a layer with capped seeds, whose
+    budget, not the layer, may set the value)."""
+    if len(vals) == 1:
+        return f"{vals[0]:.3f}"
+    if (two := _split(vals)) is not None:
+        lo, hi = two
+        return f"{len(hi)}/{len(vals)} at {sum(hi) / len(hi):.3f}, {len(lo)} at {sum(lo) / len(lo):.3f}"
+    m, lo, hi = logit_ci(vals)
     mark = ""
-    if ref is not None and len(vals) > 1:
-        rm, rh = mean_ci(ref)
-        mark = " ▲" if m - h > rm + rh else " ▼" if m + h < rm - rh else ""
-    return f"{m:.3f} ± {h:.3f}{mark}" if len(vals) > 1 else f"{m:.3f}"
+    if marked and ref is not None and len(ref) > 1 and _split(ref) is None:
+        _, rlo, rhi = logit_ci(ref)
+        mark = " ▲" if lo > rhi else " ▼" if hi < rlo else ""
+    return f"{m:.3f} [{lo:.3f}, {hi:.3f}]{mark}"
 
 
 def validity(df, task: str) -> list[str]:
@@ -127,11 +152,12 @@ def _task_table(df, task: str, slice_name: str):
             b = None if layer == BASELINE or b.empty else b
             ref = lambda c: None if b is None else list(b[c].dropna())  # noqa: E731
             rec = {"layer": layer, "d_model": int(w), "seeds": len(g)}
+            marked = not (g["metrics.stop"] == "capped").any()  # a capped seed's value is its budget's
             if "preset" in g and d["preset"].nunique() > 1:
                 rec["preset"] = g["preset"].iloc[0]
             for c in _slices(d):
-                rec[f"{slice_name}={c[len(ACC):]}"] = _fmt(list(g[c].dropna()), ref(c))
-            rec["mean"] = _fmt(list(g["metrics.accuracy"]), ref("metrics.accuracy"))
+                rec[f"{slice_name}={c[len(ACC):]}"] = _fmt(list(g[c].dropna()), ref(c), marked)
+            rec["mean"] = _fmt(list(g["metrics.accuracy"]), ref("metrics.accuracy"), marked)
             # seeds whose mean leaves chance (twice chance): a wide interval from seeds that split shows here
             rec["left chance"] = f"{int((g['metrics.accuracy'] > 2 * g['metrics.chance']).sum())}/{len(g)}"
             if "metrics.sequences" in g and g["metrics.sequences"].notna().all():
@@ -261,10 +287,11 @@ def tables(df) -> dict:
     return out
 
 
-def _within_unit(stats) -> list[list[float]]:
-    """Error bars of (mean, half-width) pairs as matplotlib's [below, above], cut at 0 and 1: an
-    accuracy's t-interval over a few erratic seeds can reach past both."""
-    return [[min(h, m) for m, h in stats], [min(h, 1 - m) for m, h in stats]]
+def _bars(groups) -> tuple[list[float], list[list[float]]]:
+    """Means and matplotlib's [below, above] error bars of several groups of seeds' accuracies: the
+    interval of their logits (`logit_ci`), which stays within 0-1."""
+    stats = [logit_ci(v) for v in groups]
+    return [m for m, _, _ in stats], [[m - lo for m, lo, _ in stats], [hi - m for m, _, hi in stats]]
 
 
 def _curves(m, order, palette, widths, path: Path) -> Path:
@@ -328,8 +355,8 @@ task whose controls fail is not drawn, nor a layer with fewer seeds than the bas
             if g.empty:
                 continue
             xs = [k * 2 ** (0.05 * (i - (len(order) - 1) / 2)) for k in kvs]  # dodged, so that bars do not hide each other
-            stats = [mean_ci(list(g[f"{ACC}{k}"].dropna())) for k in kvs]
-            ax.errorbar(xs, [a for a, _ in stats], yerr=_within_unit(stats), label=layer, marker="o", capsize=3,
+            means, bars = _bars([list(g[f"{ACC}{k}"].dropna()) for k in kvs])
+            ax.errorbar(xs, means, yerr=bars, label=layer, marker="o", capsize=3,
                         color=palette[layer], linestyle="--" if layer in CONTROLS else "-")
             for _, r in g.sort_values("seed").iterrows():  # each seed: erratic seeds make wide intervals
                 ax.scatter(xs, [r[f"{ACC}{k}"] for k in kvs], s=16, marker="x", alpha=0.6, color=palette[layer],
@@ -356,11 +383,12 @@ task whose controls fail is not drawn, nor a layer with fewer seeds than the bas
         for w in widths:
             gw = g[g["setting.d_model"] == w]
             if not gw.empty:
-                pts.append((float(gw["metrics.state_size"].iloc[0]), *mean_ci(list(gw["metrics.accuracy"])), w))
+                pts.append((float(gw["metrics.state_size"].iloc[0]), list(gw["metrics.accuracy"]), w))
         if pts:
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=_within_unit([p[1:3] for p in pts]), label=layer,
+            means, bars = _bars([p[1] for p in pts])
+            ax.errorbar([p[0] for p in pts], means, yerr=bars, label=layer,
                         marker="o", capsize=3, color=palette[layer], linestyle="--" if layer in CONTROLS else "-")
-            for x, y, _, w in pts:
+            for x, y, w in zip([p[0] for p in pts], means, [p[2] for p in pts]):
                 ax.annotate(f"d={w}", (x, y), xytext=(4, -10), textcoords="offset points", fontsize=7,
                             color=palette[layer])
     sizes: dict[str, list] = {}  # a layer's size variants (fwpkm/token, fwpkm/token-small): one curve
