@@ -279,6 +279,48 @@ def test_a_layer_is_timed_in_rounds_paired_with_the_baseline(monkeypatch):
     assert m["baseline_flops_per_s_beside"] == pytest.approx(step_flops(base, 2, 16).total / 0.5)
 
 
+def test_a_noisy_timing_is_retimed_then_marked_and_kept_out_of_the_ratios(monkeypatch):
+    """Noise injected: a busy core beside the timing (the steps' spread 129%, as measured beside a
+    busy process) makes the row retimed RETIMES times and, still noisy, marked; its ratio columns
+    are blank and the reading note names it. A quiet timing is taken once and marks nothing; a
+    peak below half the run's median peak is noise too."""
+    from memzoo.bench.report import cost as report
+    from memzoo.bench.report import frame
+    from memzoo.bench.suites import cost
+    from memzoo.config import TrainConfig
+
+    mc = ModelConfig.from_dict({"layout": "GDN", "vocab_size": 50, "d_model": 32, "n_layers": 2, "ffn_dim": 64,
+                                "gdn_heads": 2, "gdn_head_dim": 16})
+    s = cost.Settings(batch=2, seq_len=16, warmup=0, steps=1)
+    calls = []
+
+    def timed(spread):
+        def fake(*a, **kw):
+            calls.append(spread)
+            return {"step_s": 0.5, "step_spread": spread, "timed_steps": 3}
+        return fake
+
+    monkeypatch.setattr(cost, "matmul_peak", lambda device="cpu", repeats=5: 1e18)
+    monkeypatch.setattr(cost, "_PEAKS", [])
+    monkeypatch.setattr(cost, "time_training_step", timed(1.295))
+    busy = cost.measure(mc, TrainConfig(), s, "cpu", 0, True)
+    assert len(calls) == 1 + cost.RETIMES and busy["timings"] == 3 and busy["noisy"] == "step spread 130% > 25%"
+    calls.clear()
+    monkeypatch.setattr(cost, "time_training_step", timed(0.05))
+    quiet = cost.measure(mc, TrainConfig(), s, "cpu", 0, True)
+    assert len(calls) == 1 and quiet["timings"] == 1 and "noisy" not in quiet
+    assert cost.noise(0.05, 1e11, [4e11, 4e11, 3.9e11]) == "matmul peak 100 < half the run's median 400 GFLOP/s"
+    assert cost.noise(0.05, 3.5e11, [4e11, 4e11, 3.9e11]) == ""
+
+    rows = [{"suite": "cost", "preset": "tiny", "layer": name, "setting": {}, "seed": 0, "metrics": m}
+            for name, m in (("baseline", quiet), ("fwpkm", busy), ("mom", quiet))]
+    t = report.tables(frame(rows))["Cost per layer: parameters, FLOPs of one training step, measured throughput"]
+    ratio = next(c for c in t.columns if c.startswith("× baseline"))
+    assert t.loc["fwpkm", ratio] != t.loc["fwpkm", ratio] and t.loc["mom", ratio] == 1.0  # NaN: left out
+    assert t.loc["fwpkm", "timing"] == "noisy: step spread 130% > 25%" and t.loc["mom", "timing"] == ""
+    assert report.reading(frame(rows)) == ["fwpkm: a noisy timing (step spread 130% > 25%), kept out of the ratio columns"]
+
+
 def test_the_bench_times_cost_rows_alone_before_any_worker(tmp_path):
     from memzoo.bench.common import Context, Recorder, load_preset
     from memzoo.bench.run import ALONE, plan

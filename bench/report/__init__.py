@@ -237,11 +237,15 @@ def _runs_table(rows: list[dict]) -> list[str]:
 
 
 def print_tables(rows: list[dict]) -> None:
-    """The tables of `rows`, as `memzoo bench` prints them at the end of a run."""
-    for name, preset, title, table in suite_tables(rows):
-        print(f"### {name} ({preset}): {title}\n")
-        print(markdown(table))
-        print()
+    """The tables of `rows`, as `memzoo bench` prints them at the end of a run, each section's
+    reading lines (stops, noisy timings, ...) under its tables."""
+    for name, preset, mod, df in _groups(rows):
+        for title, table in mod.tables(df).items():
+            print(f"### {name} ({preset}): {title}\n")
+            print(markdown(table))
+            print()
+        if lines := list(getattr(mod, "reading", lambda df: [])(df)):
+            print("\n".join(f"- {line}" for line in lines) + "\n")
 
 
 def print_notes(rows: list[dict], published: list[dict], suites: list[str]) -> None:

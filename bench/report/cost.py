@@ -105,10 +105,14 @@ def _layers(df):
             t["step spread %"] = (100 * _col(df, "step_spread")).round(1)
         t[f"achieved {u}FLOP/s"] = (_col(df, "flops_per_s") / sc).round(2)
         # against the baseline timed in the same rounds where the row has it (paired), else its row
-        base = _col(df, "baseline_flops_per_s_beside").fillna(_col(df, "flops_per_s")[df["layer"] == BASELINE].max())
-        t[f"× baseline's {u}FLOP/s"] = (_col(df, "flops_per_s") / base).round(2)
+        noisy = _col(df, "noisy").notna() & (_col(df, "noisy") != "")
+        quiet_base = _col(df, "flops_per_s")[(df["layer"] == BASELINE) & ~noisy].max()
+        base = _col(df, "baseline_flops_per_s_beside").fillna(quiet_base)
+        t[f"× baseline's {u}FLOP/s"] = (_col(df, "flops_per_s") / base).round(2).where(~noisy)  # not from a noisy timing
         t[f"peak {u}FLOP/s"] = (_col(df, "peak_flops_per_s") / sc).round(1)
-        t["MFU %"] = (100 * _col(df, "mfu")).round(2)
+        t["MFU %"] = (100 * _col(df, "mfu")).round(2).where(~noisy)
+        if noisy.any():
+            t["timing"] = ["noisy: " + str(why) if n else "" for n, why in zip(noisy, _col(df, "noisy"))]
         t["device"] = _col(df, "device")
     return t.set_index("layer")
 
@@ -162,3 +166,13 @@ def figures(df, out_dir: Path) -> list[Path]:
         b.set_title(f"FLOPs of one training step ({shape.iloc[0] if len(shape) else ''} tokens)", pad=20)
         fig.tight_layout()
         return [save_png(fig, Path(out_dir) / "cost.png")]
+
+
+def reading(df) -> list[str]:
+    """The reading note's lines computed from the rows: which timings stayed noisy after their
+    retimes (their ratio columns are left blank)."""
+    if "metrics.noisy" not in df:
+        return []
+    noisy = df[df["metrics.noisy"].notna() & (df["metrics.noisy"] != "")]
+    name = lambda r: r["setting.config"] if isinstance(r.get("setting.config"), str) else r["layer"]  # noqa: E731
+    return [f"{name(r)}: a noisy timing ({r['metrics.noisy']}), kept out of the ratio columns" for _, r in noisy.iterrows()]
