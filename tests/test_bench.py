@@ -483,15 +483,17 @@ def test_a_toys_variant_runs_alone(tmp_path):
 def test_each_published_table_says_what_its_rows_mix():
     from memzoo.bench.report import provenance
 
-    def row(cpu, sha, gpu=None, version=2):
-        return {"hardware": {"cpu": cpu, **({"gpu": gpu} if gpu else {})}, "git_sha": sha, "config": {"version": version}}
+    def row(cpu, sha, gpu=None, version=2, run="r1"):
+        return {"hardware": {"cpu": cpu, **({"gpu": gpu} if gpu else {})}, "git_sha": sha, "config": {"version": version},
+                "run_id": run}
 
     one = [row("AMD EPYC", "a" * 40), row("AMD EPYC", "a" * 40)]
     assert provenance(one) == "*Measured on AMD EPYC (2 rows); code of 1 commit (aaaaaaa (2)); protocol version 2.*"
-    mixed = [*one, row("Intel Xeon", "b" * 40 + "+dirty", version=1), row("x", "c" * 40, gpu="NVIDIA H200")]
+    mixed = [*one, row("Intel Xeon", "b" * 40 + "+dirty", version=1, run="r2"), row("x", "c" * 40, gpu="NVIDIA H200", run="r3")]
     line = provenance(mixed)
     assert "AMD EPYC (2 rows), Intel Xeon (1 row), NVIDIA H200 (1 row): **mixes processors**" in line
     assert "code of 3 commits" in line and "bbbbbbb+dirty (1)" in line
+    assert "**combines 3 runs**: r1 (2), r2 (1), r3 (1)" in line
     assert "**mixes protocol versions** 2 (3), 1 (1)" in line
 
 

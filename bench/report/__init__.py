@@ -110,6 +110,10 @@ def provenance(rows: list[dict]) -> str:
     code = ", ".join(f"{s} ({n})" for s, n in shas[:6]) + (f" and {len(shas) - 6} more" if len(shas) > 6 else "")
     line = f"*Measured on {where}" + ("" if len(procs) == 1 else ": **mixes processors**")
     line += f"; code of {len(shas)} commit{'s' if len(shas) > 1 else ''} ({code})"
+    runs = count(lambda r: r["run_id"])
+    if len(runs) > 1:  # a table never combines calls without saying so
+        ids = ", ".join(f"{rid} ({n})" for rid, n in runs[:4]) + (f" and {len(runs) - 4} more" if len(runs) > 4 else "")
+        line += f"; **combines {len(runs)} runs**: {ids}"
     if len(protos) > 1:
         line += "; **mixes protocol versions** " + ", ".join(f"{v or 'unversioned'} ({n})" for v, n in protos)
     elif protos[0][0]:
