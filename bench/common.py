@@ -318,10 +318,15 @@ class Recorder:
             if end:  # after a torn last line (no newline), the row starts a line of its own
                 f.seek(end - 1)
                 line = ("" if f.read(1) == b"\n" else "\n") + line
-            f.write(line.encode())
-            f.flush()
-            os.fsync(f.fileno())
-            fcntl.flock(f, fcntl.LOCK_UN)
+            try:
+                f.write(line.encode())
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError:  # a full disk (ENOSPC) mid-row: the file goes back to what it was
+                f.truncate(end)
+                raise
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
         self.rows.append(row)
         if self._done is not None:
             self._done[self._key(suite, self.preset, layer, setting, row["seed"], row["config_hash"])] = row
@@ -426,17 +431,25 @@ class Context:
         import traceback
 
         log = self.work_dir / "logs" / f"{self.recorder.run_id}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
         what = " ".join(map(str, part)) if part else "(all of it)"
-        with open(log, "a") as f:
-            f.write(f"== {suite} {layer} {what}, in {self._doing!r} at unit {self._step}\n")
-            f.write("".join(traceback.format_exception(exc)) + "\n")
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "a") as f:
+                f.write(f"== {suite} {layer} {what}, in {self._doing!r} at unit {self._step}\n")
+                f.write("".join(traceback.format_exception(exc)) + "\n")
+        except OSError:  # a full disk: the line on stderr below still says which and why
+            log = "(not written: the disk is full?)"
         error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
         print(f"memzoo bench: FAILED {suite} {layer} {what} in {self._doing or suite!r} at step {self._step}: "
               f"{error} (traceback: {log})", file=sys.stderr, flush=True)
         setting = {"suite": suite, "part": list(part) if part else None}
-        return self.recorder.add("failed", layer, setting, {"error": error, "where": self._doing, "step": self._step,
-                                                           "log": str(log)}, setting, 0.0)
+        metrics = {"error": error, "where": self._doing, "step": self._step, "log": str(log)}
+        try:
+            return self.recorder.add("failed", layer, setting, metrics, setting, 0.0)
+        except OSError as e:  # the failure row cannot be written either (the disk is full): said, not raised
+            print(f"memzoo bench: the failure could not be recorded ({e}); --resume measures the cell again",
+                  file=sys.stderr, flush=True)
+            return {"suite": "failed", "layer": layer, "setting": setting, "metrics": metrics}
 
 
 # ---- intervals, shared by measuring (a row's own interval) and the report -----------------------

@@ -143,6 +143,30 @@ def untrained_steps(ctx: Context, layer: str, suites: list[str]) -> int:
     return sum(steps.values())
 
 
+def _cached(out: Path, rc, device: str) -> HybridLM | None:
+    """The LM cached in `out`, or None when its files do not load (truncated by a kill or a full
+    disk, or damaged): they are moved aside to ``<out>.damaged-N`` with a warning, and the LM is
+    trained again."""
+    import warnings
+
+    try:
+        info = json.loads((out / "lm.json").read_text())
+        model = HybridLM(rc.model).to(device)
+        model.load_state_dict(load_tensors(out / "model.pt", map_location=device))
+        if not isinstance(info, dict):
+            raise ValueError("lm.json is not a mapping")
+        return model
+    except (OSError, ValueError, RuntimeError) as e:  # json errors are ValueErrors
+        n = 0
+        while (aside := out.with_name(f"{out.name}.damaged-{n}")).exists():
+            n += 1
+        out.rename(aside)
+        out.mkdir(parents=True)
+        warnings.warn(f"the cached LM in {out} does not load ({' '.join(str(e).split())[:200]}); moved to {aside}, "
+                      "training it again", stacklevel=3)
+        return None
+
+
 def shared_lm(ctx: Context, layer: str, suite: str = "ppl") -> tuple[HybridLM, dict]:
     """`layer`'s trained LM for `suite` (eval mode) and what its training did (losses, steps,
     wall time); the ppl and niah suites share one unless the niah suite has its own (`niah.lm`).
@@ -155,10 +179,9 @@ def shared_lm(ctx: Context, layer: str, suite: str = "ppl") -> tuple[HybridLM, d
     if str(out) in _loaded:
         return _loaded[str(out)]
     done = out / "lm.json"
-    if done.exists():
+    model = _cached(out, rc, ctx.device) if done.exists() else None
+    if model is not None:
         info = json.loads(done.read_text())
-        model = HybridLM(rc.model).to(ctx.device)
-        model.load_state_dict(load_tensors(out / "model.pt", map_location=ctx.device))
     else:
         t0 = time.time()
         data = prepare_data(rc, leave_out=HELD_OUT_TITLES, needle_mix=mix["train_mix"], answer_weight=mix.get("answer_weight", 1.0),
