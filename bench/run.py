@@ -187,8 +187,10 @@ def compile_cache(work_dir: Path) -> Path:
 
 
 def _worker(args: dict, wid: int, jobs, threads: int, queue) -> None:
-    """A worker process: runs jobs from the `jobs` queue until it holds None, reporting
-    ("work", wid, units, doing) for each unit of work, then ("end", wid, 0, ""). It ends with
+    """A worker process: runs (index, job) items from the `jobs` queue until it holds None,
+    reporting ("start", wid, index, "") as it takes a job, ("work", wid, units, doing) for each
+    unit of work, then ("end", wid, 0, ""). A worker that dies (killed mid-cell) has its job
+    recorded failed by the bench, which starts another in its place. It ends with
     the bench process that started it. Its compile cache is the run's (the environment's: `compile_cache`)."""
     import signal
 
@@ -204,7 +206,8 @@ def _worker(args: dict, wid: int, jobs, threads: int, queue) -> None:
     rec = Recorder(args["out"], p.name, args["seed"], run_id=args["run_id"])
     ctx = Context(p, args["seed"], rec, Path(args["work_dir"]), args["device"], progress=False,
                   on_work=lambda units, doing: queue.put(("work", wid, units, doing)), resume=args["resume"])
-    for job in iter(jobs.get, None):
+    for i, job in iter(jobs.get, None):
+        queue.put(("start", wid, i, ""))  # the bench records this job failed if the worker dies in it
         job.run(ctx)
     queue.put(("end", wid, 0, ""))
 
@@ -295,24 +298,38 @@ def run_bench(
         args = {"preset": p.source, "seed": seed, "out": str(out), "work_dir": str(work_dir), "device": device,
                 "run_id": rec.run_id, "resume": resume, "parent": os.getpid()}
         jobq = mpc.Queue()
-        for job in [*queued, *[None] * workers]:  # a None per worker: the end
-            jobq.put(job)
+        for item in [*enumerate(queued), *[None] * workers]:  # a None per worker: the end
+            jobq.put(item)
         threads = max(1, cores // workers)
-        procs = [mpc.Process(target=_worker, args=(args, i, jobq, threads, queue)) for i in range(workers)]
-        for proc in procs:
+
+        def start(wid: int):
+            proc = mpc.Process(target=_worker, args=(args, wid, jobq, threads, queue))
             proc.start()
-        ended = 0
+            return proc
+
+        procs = [start(i) for i in range(workers)]
+        current: dict[int, int | None] = dict.fromkeys(range(workers))  # the job each worker runs
+        done = [False] * workers
         try:
-            while ended < len(procs):
+            while not all(done):
                 try:
                     kind, wid, units, what = queue.get(timeout=5)
-                except queue_mod.Empty:  # check that no worker died
-                    if any(proc.exitcode not in (None, 0) for proc in procs):
-                        bar.close()
-                        raise RuntimeError("a bench worker failed (its traceback is above); rows measured so far are kept")
+                except queue_mod.Empty:  # a worker killed (by the kernel's OOM killer, a SIGKILL): its job failed
+                    for wid, proc in enumerate(procs):
+                        if done[wid] or proc.exitcode in (None, 0):
+                            continue
+                        if current[wid] is not None:
+                            job = queued[current[wid]]
+                            ctx.fail(job.suites[0], job.layer, job.part,
+                                     RuntimeError(f"the worker running it died (exit code {proc.exitcode})"))
+                        current[wid] = None
+                        procs[wid] = start(wid)  # a new worker takes the queue's next jobs
+                        show(wid, 0, "restarted")
                     continue
-                if kind == "end":
-                    ended += 1
+                if kind == "start":
+                    current[wid] = units  # the job's index
+                elif kind == "end":
+                    done[wid] = True
                     show(wid, 0, "done")
                 else:
                     show(wid, units, what)

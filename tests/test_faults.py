@@ -111,3 +111,57 @@ def test_two_bench_processes_appending_at_once_interleave_no_bytes(tmp_path):
     rows = [json.loads(line) for line in lines]
     assert len(rows) == 600 and sorted((r["run_id"], r["setting"]["i"]) for r in rows) == sorted(
         (t, i) for t in ("a", "b") for i in range(300))
+
+
+KILLER = '''
+import os, pathlib, signal
+from memzoo.layers.linear_attention import LinearAttentionMemory
+from memzoo.registry import register_layer
+
+@register_layer("killer")
+class Killer(LinearAttentionMemory):
+    """Linear attention whose first training step kills its process (once: a marker file)."""
+    def forward(self, x, *args, **kwargs):
+        mark = pathlib.Path(os.environ["KILLER_MARK"])
+        if self.training and not mark.exists():
+            mark.write_text("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x, *args, **kwargs)
+'''
+
+
+def test_a_worker_killed_mid_cell_leaves_that_cell_failed_and_the_run_going(tmp_path, monkeypatch):
+    """A bench worker SIGKILLed in the middle of a cell (as the kernel's OOM killer would): the run
+    finishes the other cells on a new worker, records the cell failed, and --resume measures it."""
+    import importlib
+    import sys
+
+    from memzoo import registry
+    from memzoo.bench.run import run_bench
+
+    from test_toys import MICRO as TOYS
+
+    (tmp_path / "killer_plugin.py").write_text(KILLER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("MEMZOO_PLUGINS", "killer_plugin")
+    monkeypatch.setenv("KILLER_MARK", str(tmp_path / "killed"))
+    monkeypatch.setattr(registry, "_PLUGINS", {"killer_plugin"})  # imported below; taken out after
+    try:
+        importlib.import_module("killer_plugin")
+        preset = tmp_path / "p.yaml"
+        preset.write_text(yaml.safe_dump({"base": "tiny", "toys": {**TOYS, "tasks": ["mqar"], "widths": [16], "seeds": 1,
+                                                                  "lrs": [1e-2]}}))
+        kw = dict(suites="toys", preset=str(preset), out=tmp_path / "out", work_dir=tmp_path / "work", progress=False,
+                  jobs=2)
+        rows = run_bench("killer,linear", **kw)
+        failed = [r for r in rows if r["suite"] == "failed"]
+        assert [r["layer"] for r in failed] == ["killer"] and "worker running it died" in failed[0]["metrics"]["error"]
+        assert {r["layer"] for r in rows if r["suite"] == "toys"} == {"baseline", "linear", "ctrl:attention", "ctrl:none"}
+        again = run_bench("killer,linear", **kw, resume=True)
+        assert not [r for r in again if r["suite"] == "failed"]
+        done = [r for r in read_results(tmp_path / "out" / "results.jsonl") if r["suite"] == "toys"]
+        assert sorted(r["layer"] for r in done) == ["baseline", "ctrl:attention", "ctrl:none", "killer", "linear"]
+    finally:
+        registry._LAYERS.pop("killer", None)
+        sys.modules.pop("killer_plugin", None)
