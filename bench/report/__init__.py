@@ -317,3 +317,17 @@ def save_png(fig, path: str | Path) -> Path:
     save_figure(fig, path, dpi=100, format="png", metadata={"Software": None})
     plt.close(fig)
     return path
+
+
+def lm_lines(df, over: str) -> list[str]:
+    """The LM suites' reading lines on their budget and seeds: the LMs' fixed step budget, and which
+    layers have several training seeds (`over`: what a one-seed row's intervals are over)."""
+    out = []
+    if "metrics.lm_steps" in df and df["metrics.lm_steps"].notna().any():
+        steps = sorted({int(v) for v in df["metrics.lm_steps"].dropna()})
+        out.append(f"Every LM trained a fixed budget of {' or '.join(map(str, steps))} steps, not to convergence.")
+    seeds = df.groupby("layer")["seed"].nunique()
+    several = sorted(seeds[seeds > 1].index, key=layer_order(seeds.index).index)
+    out.append(f"Training seeds: {', '.join(f'{n} ({seeds[n]})' for n in several)}; every other row one."
+               if several else f"Every row is one training seed: its intervals are over {over}, not trainings.")
+    return out

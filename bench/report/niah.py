@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci, mean_ci
-from memzoo.bench.report import beyond, fewer_seeds, layer_order, save_png, shared_count, with_seed, with_texts
+from memzoo.bench.report import (
+    beyond, fewer_seeds, layer_order, lm_lines, save_png, shared_count, with_seed, with_texts,
+)
 
 #: printed under the NIAH tables of the leaderboard
 NOTE = """**Reading the NIAH numbers.** Exact match is all six digits right, with a 95% Wilson interval
@@ -269,14 +271,7 @@ def reading(df) -> list[str]:
         lo, hi = 100 * chance["metrics.digit_accuracy"].min(), 100 * chance["metrics.digit_accuracy"].max()
         out.append(f"The negative control and the backbone alone get {lo:.0f}-{hi:.0f}% of the digits (chance: one in ten; "
                    f"the harness holds them under twice that).")
-    if "metrics.lm_steps" in df and df["metrics.lm_steps"].notna().any():
-        steps = sorted({int(v) for v in df["metrics.lm_steps"].dropna()})
-        out.append(f"Every LM trained a fixed budget of {' or '.join(map(str, steps))} steps, not to convergence.")
-    seeds = df.groupby("layer")["seed"].nunique()
-    several = sorted(seeds[seeds > 1].index, key=layer_order(seeds.index).index)
-    out.append(f"Training seeds: {', '.join(f'{n} ({seeds[n]})' for n in several)}; every other row one."
-               if several else "Every row is one training seed: its intervals are over haystacks, not trainings.")
-    return out
+    return out + lm_lines(df, "haystacks")
 
 
 def problems(df) -> list[str]:

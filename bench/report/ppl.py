@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, POSITIVE, mean_ci
-from memzoo.bench.report import beyond, fewer_seeds, layer_order, save_png, shared_count, with_seed, with_texts
+from memzoo.bench.report import (
+    beyond, fewer_seeds, layer_order, lm_lines, save_png, shared_count, with_seed, with_texts,
+)
 from memzoo.bench.suites.ppl import MODES, POSITIONS
 
 #: printed under the ppl tables of the leaderboard
@@ -267,14 +269,7 @@ def reading(df) -> list[str]:
                    f"{r['metrics.gain_half']:.3f} nats/token better than its first (seed {r['seed']}).")
     if pos.empty and (df["setting.corpus"] == "repeat").any():
         out.append("The probe ran without its positive control: its rows are withheld.")
-    if "metrics.lm_steps" in df and df["metrics.lm_steps"].notna().any():
-        steps = sorted({int(v) for v in df["metrics.lm_steps"].dropna()})
-        out.append(f"Every LM trained a fixed budget of {' or '.join(map(str, steps))} steps, not to convergence.")
-    seeds = df.groupby("layer")["seed"].nunique()
-    several = sorted(seeds[seeds > 1].index, key=layer_order(seeds.index).index)
-    out.append(f"Training seeds: {', '.join(f'{n} ({seeds[n]})' for n in several)}; every other row one."
-               if several else "Every row is one training seed: its intervals are over sequences or passages, not trainings.")
-    return out
+    return out + lm_lines(df, "sequences or passages")
 
 
 def problems(df) -> list[str] | None:

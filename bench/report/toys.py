@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci, mean_ci
+from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci
 from memzoo.bench.report import layer_order, save_png
 from memzoo.bench.suites.toys import NAME, TASKS
 
