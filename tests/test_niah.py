@@ -253,7 +253,7 @@ def test_tables_and_figures(tmp_path):
     assert acc.loc["baseline", "192 x1"] == "0.0 [0, 32]"  # 0 of 8: upper z^2/8 / (1 + z^2/8)
     assert acc.loc["fwpkm", "1K x2"] == "50.0 [22, 78]"  # 4 of 8: overlaps the baseline's [0, 32]
     assert acc.loc["fwpkm", "1K x3"] == "75.0 [41, 93] ▲"  # 6 of 8: wholly above it
-    assert t["NIAH answer NLL (nats per answer token; chance 2.303), length x n-iter"].loc["fwpkm", "1K x1"] == 2.05
+    assert t["NIAH answer NLL (nats per answer token; chance ln 10), length x n-iter"].loc["fwpkm", "1K x1"] == 2.05
     digits = t["NIAH answer digits right (%, ± 95% interval over samples where recorded; ▲/▼ as above), length x n-iter"]
     assert digits.loc["baseline", "1K x1"] == "10.0 ± 5.0"
     assert digits.loc["fwpkm", "1K x1"] == "25.0 ± 10.0"  # [15, 35] touches the baseline's [5, 15]: no mark
