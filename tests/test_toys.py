@@ -732,3 +732,12 @@ def test_a_layer_at_chance_points_to_its_long_budget_verdict():
         f"at 192k sequences (test 0.980) (leaderboards/README.md, toys — preset {toys_report.LONG})",  # the latest row
         f"lact: at chance through 16k sequences here; no long-budget check of it is published yet ({toys_report.LONG}: docs/toys.md)",
     ]
+
+
+def test_half_right_at_reads_the_curves_by_hand():
+    import pandas as pd
+
+    h = lambda vals: [{"sequences": 100 * (i + 1), "val": v} for i, v in enumerate(vals)]  # noqa: E731
+    g = pd.DataFrame({"metrics.history": [h([0.03, 0.15, 0.15, 0.6]), h([0.15, 0.5, 0.9]), h([0.03, 0.15])]})
+    assert toys_report._reached(g, 0.5) == "400 (2/3 seeds)"  # 200 and 400: the upper median of two
+    assert toys_report._reached(g.iloc[2:], 0.5) == "never"

@@ -16,7 +16,9 @@ reached the target or stopped improving (*stop*: solved / plateau / chance / cap
 converge; *chance*: stopped at chance, a statement about the budget), with the learning rate chosen
 on the validation sets ("(edge)": chosen at the edge of the lrs tried; "none": at chance at every lr).
 *Left chance at*: the sequences trained before validation accuracy first rose above twice chance
-(the median over the seeds that did); *budget*: the sequences the chosen lr trained (median, max).
+(the median over the seeds that did); *half right at*: before it first reached 0.5 (a dense memory's
+plateau at 1/n of the pairs, a bag of the sequence's values, is above twice chance but below a half);
+*budget*: the sequences the chosen lr trained (median, max).
 A layer at chance is at chance through its budget, not at chance as a property: the learning curves
 show where each training stood, and the recall-10x preset retrains the negative rows of the recall
 preset at ten times its budget. ctrl:attention is the positive
@@ -162,9 +164,10 @@ def _task_table(df, task: str, slice_name: str):
             rec["left chance"] = f"{int((g['metrics.accuracy'] > 2 * g['metrics.chance']).sum())}/{len(g)}"
             if "metrics.sequences" in g and g["metrics.sequences"].notna().all():
                 rec["left chance at"] = _left_at(g)
+                rec["half right at"] = _reached(g, 0.5)
                 rec["budget (max)"] = f"{_count(g['metrics.sequences'].median())} ({_count(g['metrics.sequences'].max())})"
             else:  # rows of protocol 2 and before kept no validation history, nor their budget in sequences
-                rec["left chance at"] = ""
+                rec["left chance at"] = rec["half right at"] = ""
                 rec["budget (max)"] = f"{int(g['metrics.steps'].median())} steps ({int(g['metrics.steps'].max())})"
             stops = g["metrics.stop"].value_counts()
             rec["stop"] = ", ".join(f"{n} {k}" for k, n in sorted(stops.items()))
@@ -192,6 +195,20 @@ def _left_at(g) -> str:
     if len(at) == 0:
         return f"at chance through {_count(g['metrics.sequences'].max())}"
     return _count(at.median()) + ("" if len(at) == len(g) else f" ({len(at)}/{len(g)} seeds)")
+
+
+def _reached(g, level: float) -> str:
+    """When a layer's seeds' validation accuracy (their chosen lr's curve) first reached `level`,
+    in sequences trained (the median of those that did, and how many did); a dense memory's 1/n
+    plateau (a bag of the sequence's values) is above twice chance but far below a half."""
+    at = []
+    for hist in g["metrics.history"]:
+        if isinstance(hist, list):
+            at += [next((h["sequences"] for h in hist if h["val"] >= level), None)]
+    hit = sorted(a for a in at if a is not None)
+    if not hit:
+        return "never" if at else ""
+    return _count(hit[len(hit) // 2]) + ("" if len(hit) == len(g) else f" ({len(hit)}/{len(g)} seeds)")
 
 
 def _lrs(g) -> str:
