@@ -23,7 +23,7 @@ from memzoo.storage import write_text
 MARKS = ("capped", "diverged", "chance")
 
 STYLE = """
-body { font: 14px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1400px; padding: 0 1.5em 3em; color: #222; }
+body { font: 14px/1.4 system-ui, sans-serif; margin: 0 auto; max-width: 1400px; padding: 0 1.5em 3em; color: #222; }
 h1 { margin-top: 1em; } h2 { margin-top: 2.2em; border-bottom: 2px solid #ddd; } h3 { font-size: 14px; margin: 1.4em 0 .4em; }
 #bar { position: sticky; top: 0; background: #fff; padding: .6em 0; border-bottom: 1px solid #eee; z-index: 2; }
 nav a { margin-right: .8em; white-space: nowrap; }
@@ -35,7 +35,7 @@ tr.row { cursor: pointer; } tr.row:hover { background: #f7fbff; }
 tr.ctrl td:first-child { font-style: italic; }
 tr.capped td:first-child, tr.chance td:first-child { border-left: 4px solid #e0a000; }
 tr.diverged td:first-child { border-left: 4px solid #c00; }
-tr.prov td { text-align: left; white-space: pre-wrap; background: #fafafa; font: 12px/1.35 ui-monospace, monospace; }
+tr.prov td { text-align: left; white-space: pre-wrap; background: #fafafa; font: 12px/1.3 ui-monospace, monospace; }
 .up { color: #0a7d2c; font-weight: 600; } .down { color: #b00020; font-weight: 600; }
 .valid { color: #0a7d2c; } .invalid { color: #b00020; font-weight: 600; } .unchecked { color: #666; }
 .prov-line, .lead { color: #555; } img { max-width: 100%; border: 1px solid #eee; margin: .5em 0; }
