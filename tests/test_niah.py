@@ -254,10 +254,11 @@ def test_tables_and_figures(tmp_path):
     assert acc.loc["fwpkm", "1K x2"] == "50.0 [22, 78]"  # 4 of 8: overlaps the baseline's [0, 32]
     assert acc.loc["fwpkm", "1K x3"] == "75.0 [41, 93] ▲"  # 6 of 8: wholly above it
     assert t["NIAH answer NLL (nats per answer token; chance ln 10), length x n-iter"].loc["fwpkm", "1K x1"] == 2.05
-    digits = t["NIAH answer digits right (%, ± 95% interval over samples where recorded; ▲/▼ as above), length x n-iter"]
-    assert digits.loc["baseline", "1K x1"] == "10.0 ± 5.0"
-    assert digits.loc["fwpkm", "1K x1"] == "25.0 ± 10.0"  # [15, 35] touches the baseline's [5, 15]: no mark
-    assert digits.loc["fwpkm", "1K x3"] == "75.0 ± 10.0 ▲"
+    digits = t["NIAH answer digits right (%, [95% interval over samples, within 0-100] where recorded; ▲/▼ as above), "
+               "length x n-iter"]
+    assert digits.loc["baseline", "1K x1"] == "10.0 [5.0, 15.0]"
+    assert digits.loc["fwpkm", "1K x1"] == "25.0 [15.0, 35.0]"  # touches the baseline's [5, 15]: no mark
+    assert digits.loc["fwpkm", "1K x3"] == "75.0 [65.0, 85.0] ▲"
     assert list(t["NIAH throughput and memory"]["layer"])[:2] == ["baseline", "baseline"]
     for table in t.values():
         table.to_markdown()

@@ -35,3 +35,18 @@ def test_no_measured_figure_in_string_literals():
     measured = [f for f in found if f[2] not in CONSTANTS]
     assert len(measured) <= 5, measured
     assert measured == [], measured  # today none; the issue's bound is 5
+
+
+def test_no_published_accuracy_interval_leaves_its_range():
+    """leaderboards/README.md: every bracketed interval lies within 0-100 (accuracies in 0-1 or %),
+    and no accuracy table shows a symmetric ± interval (it can reach past 0 or 1)."""
+    title = ""
+    for line in (ROOT / "leaderboards" / "README.md").read_text().splitlines():
+        if line.startswith("**"):
+            title = line.lower()
+        if not line.startswith("|"):
+            continue
+        for lo, hi in re.findall(r"\[(-?\d+\.?\d*), (-?\d+\.?\d*)\]", line):
+            assert 0 <= float(lo) <= float(hi) <= 100, line
+        if "accuracy" in title or "digits right" in title:
+            assert "±" not in line, (title, line)

@@ -81,12 +81,13 @@ def _cell(g) -> tuple[str, float, float]:
 
 
 def _digits(g) -> tuple[str, float, float]:
-    """A cell's digits right as (text, lo, hi) in %: one seed's 'digits ± half' over the samples
-    (the value alone where the row has no interval), or the seeds' mean with their logit
-    interval over trainings."""
+    """A cell's digits right as (text, lo, hi) in %: one seed's digits with the t-interval over the
+    samples cut to 0-100 (a share of digits cannot leave it; the value alone where the row has no
+    interval), or the seeds' mean with their logit interval over trainings."""
     if len(g) == 1:
         d, h = (100 * g.iloc[0].get(f"metrics.{k}", float("nan")) for k in ("digit_accuracy", "digit_accuracy_half"))
-        return (f"{d:.1f}" if math.isnan(h) else f"{d:.1f} ± {h:.1f}"), d - h, d + h
+        lo, hi = max(0.0, d - h), min(100.0, d + h)
+        return (f"{d:.1f}" if math.isnan(h) else f"{d:.1f} [{lo:.1f}, {hi:.1f}]"), lo, hi
     g = g[g["metrics.digit_accuracy"].notna()]
     d, lo, hi = (100 * v for v in logit_ci(g["metrics.digit_accuracy"], _ns(g)))
     return f"{d:.1f} [{lo:.1f}, {hi:.1f}]", lo, hi
@@ -145,7 +146,7 @@ def tables(df) -> dict:
     out = {f"HARNESS INVALID ({'; '.join(bad)}): layer rows withheld; {title}" if bad else title: table(_cell)}
     if df.empty:
         return out
-    over = "± 95% interval over samples where recorded" + ("; [95% interval over trainings] where seeds > 1" if several else "")
+    over = "[95% interval over samples, within 0-100] where recorded" + ("; over trainings where seeds > 1" if several else "")
     out[f"NIAH answer digits right (%, {over}; ▲/▼ as above), length x n-iter"] = table(_digits)
     if "metrics.answer_nll" in df:
         t = df.pivot_table(index="layer", columns="col", values="metrics.answer_nll", aggfunc="mean")
