@@ -741,3 +741,30 @@ def test_half_right_at_reads_the_curves_by_hand():
     g = pd.DataFrame({"metrics.history": [h([0.03, 0.15, 0.15, 0.6]), h([0.15, 0.5, 0.9]), h([0.03, 0.15])]})
     assert toys_report._reached(g, 0.5) == "400 (2/3 seeds)"  # 200 and 400: the upper median of two
     assert toys_report._reached(g.iloc[2:], 0.5) == "never"
+
+
+def test_a_stopped_cell_keeps_the_lrs_it_finished(tmp_path, monkeypatch):
+    """A cell stopped during its second lr resumes without training the first again, and records
+    the row it would have recorded unstopped; the kept trainings go once the row is written."""
+    part = ("linear", "mqar", 16, 0)
+    whole = toys.run(_ctx(tmp_path / "a", tasks=["mqar"]), ["linear"], only=[part])[0]["metrics"]
+    real, calls = toys.train_cell, []
+
+    def stop_second(mc, task, lr, *a, **kw):
+        calls.append(lr)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(mc, task, lr, *a, **kw)
+
+    monkeypatch.setattr(toys, "train_cell", stop_second)
+    ctx = _ctx(tmp_path / "b", tasks=["mqar"])
+    with pytest.raises(KeyboardInterrupt):
+        toys.run(ctx, ["linear"], only=[part])
+    assert len(list((ctx.work_dir / "cells").glob("*.done.pt"))) == 1
+    calls.clear()
+    monkeypatch.setattr(toys, "train_cell", lambda *a, **kw: (calls.append(a[2]), real(*a, **kw))[1])
+    again = toys.run(ctx, ["linear"], only=[part])[0]["metrics"]
+    assert calls and calls[0] == MICRO["lrs"][1]  # the first lr was not trained again
+    keys = ("accuracy", "acc_by_kv", "val_by_lr", "lr", "steps", "stop", "history", "left_chance_at_by_lr")
+    assert {k: again[k] for k in keys} == {k: whole[k] for k in keys}
+    assert not list((ctx.work_dir / "cells").glob("*"))  # nothing left behind

@@ -608,16 +608,27 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
     """Every lr of the grid, then, while the chosen lr lies at an edge of the lrs tried and left
     chance, the next lr past it (at most MAX_BEYOND): an lr chosen at the grid's edge may have a better
     one beyond it. A cell at chance at every lr chooses none (`lr` is the best of noise) and is not
-    extended. Checkpoints under the work dir make a stopped cell continue (`train_cell`)."""
+    extended. Under the work dir, each lr's finished training is kept until the row is recorded and the
+    one in progress is checkpointed (`train_cell`), so a stopped cell continues where it stopped."""
     t0 = time.perf_counter()
     fits = {}
     ckpt_dir = ctx.work_dir / "cells"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
 
+    stem = f"{config_hash(config)}-{layer.replace('/', '_').replace(':', '_')}-s{seed}"
+
     def fit_at(lr: float) -> Fit:
         doing = f"toys {layer} {task.name} d={width} seed {seed} lr={lr:g}"
-        ckpt = ckpt_dir / f"{config_hash(config)}-{layer.replace('/', '_').replace(':', '_')}-s{seed}-lr{lr:g}.pt"
-        fit = train_cell(mc, task, lr, s, seed, ctx.device, lambda d=doing: ctx.advance(1, d), ckpt)
+        done = ckpt_dir / f"{stem}-lr{lr:g}.done.pt"  # an lr this cell trained already (a resumed cell skips it)
+        if done.is_file():
+            d = torch.load(done, map_location=ctx.device, weights_only=False)
+            model = HybridLM(mc).to(ctx.device)
+            model.load_state_dict(d.pop("model"))
+            fit = Fit(model, **d)
+        else:
+            fit = train_cell(mc, task, lr, s, seed, ctx.device, lambda d=doing: ctx.advance(1, d),
+                             ckpt_dir / f"{stem}-lr{lr:g}.pt")
+            torch_save({"model": fit.model.state_dict(), **{k: v for k, v in vars(fit).items() if k != "model"}}, done)
         ctx.advance(s.max_steps - fit.steps, doing)  # the steps an early stop saved
         return fit
 
@@ -667,6 +678,8 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
         "params": sum(p.numel() for p in fit.model.parameters()),
     }
     row = ctx.record(NAME, layer, setting, metrics, config, time.perf_counter() - t0, seed=seed)
+    for done in ckpt_dir.glob(f"{stem}-lr*.done.pt"):  # the row holds them now
+        done.unlink()
     if ctx.progress:
         left_at = metrics["left_chance_at"]
         tqdm.write(f"toys {layer:>14} {task.name:>4} d={width:<4} seed {seed}: test {metrics['accuracy']:.3f} "
