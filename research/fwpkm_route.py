@@ -4,7 +4,7 @@ Finding: docs/toys.md, "FwPKM through the memory alone, one change at a time".
 The recall preset's FwPKM cell (zoo_configs/bench/recall.yaml: MQAR of 64 tokens, vocabulary 64,
 4 / 8 / 12 pairs, every query at least 9 tokens after its pair; 2 blocks whose mixers are 4-token
 sliding windows; FwPKM with 64² slots of dim 64, top-8, chunk 8, a memory per sequence; the
-preset's precision (bf16 until 2026-11-28, fp32 since), compile, lr 3e-3, seed 0) at the standard toys' width and batch (128, 64; ``--width``, ``--batch``),
+preset's precision, compile, lr 3e-3, seed 0) at the standard toys' width and batch (128, 64; ``--width``, ``--batch``),
 trained in the forms below, one change each. Every ``--every`` steps it prints the validation
 accuracy per slice and two of the paper's diagnostics on 64 validation sequences of 4 pairs, read
 in fp32 eager:

@@ -1,6 +1,6 @@
 """Does a memory recall the queried pair, or only which values the sequence holds?
 Finding: docs/toys.md, "The recall preset finished, and what the dense memories learn" (the 1/n
-plateau, corrected by the long-budget check of 2026-11-28 in the same file).
+plateau; corrected by "The long-budget check" in the same file).
 
 The recall preset's MQAR cell (zoo_configs/bench/recall.yaml: 64 tokens, vocabulary 64, every
 query at least 9 tokens after its pair, 2 blocks of 4-token windows, width 64, batch 32, the

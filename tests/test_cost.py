@@ -280,8 +280,8 @@ def test_a_layer_is_timed_in_rounds_paired_with_the_baseline(monkeypatch):
 
 
 def test_a_noisy_timing_is_retimed_then_marked_and_kept_out_of_the_ratios(monkeypatch):
-    """Noise injected: a busy core beside the timing (the steps' spread 129%, as measured beside a
-    busy process) makes the row retimed RETIMES times and, still noisy, marked; its ratio columns
+    """Noise injected: a busy core beside the timing (a spread of
+    the steps far above the threshold) makes the row retimed RETIMES times and, still noisy, marked; its ratio columns
     are blank and the reading note names it. A quiet timing is taken once and marks nothing; a
     peak below half the run's median peak is noise too."""
     from memzoo.bench.report import cost as report
