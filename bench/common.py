@@ -294,7 +294,12 @@ class Recorder:
     def add(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float,
             seed: int | None = None) -> dict:
         """Append one row; `seed` is the row's own seed where a suite runs several (default: the run's)."""
-        row = {
+        return self.append(self.row(suite, layer, setting, metrics, config, wall_s, seed))
+
+    def row(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float,
+            seed: int | None = None) -> dict:
+        """The row of one measurement, with its provenance (code, versions, this machine)."""
+        return {
             "suite": suite,
             "layer": layer,
             "setting": setting,
@@ -310,6 +315,10 @@ class Recorder:
             "run_id": self.run_id,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+
+    def append(self, row: dict) -> dict:
+        """Append a whole row to the file (one locked write of one line), as measured here or
+        returned by a Ray task (`memzoo.bench.ray_engine`)."""
         line = json.dumps(_finite_or_null(row), sort_keys=True, default=_jsonable, allow_nan=False) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "ab+") as f:
@@ -327,10 +336,29 @@ class Recorder:
                 raise
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+        return self._keep(row)
+
+    def _keep(self, row: dict) -> dict:
         self.rows.append(row)
         if self._done is not None:
-            self._done[self._key(suite, self.preset, layer, setting, row["seed"], row["config_hash"])] = row
+            self._done[self._key(row["suite"], row["preset"], row["layer"], row["setting"], row["seed"],
+                                 row["config_hash"])] = row
         return row
+
+
+class Collector(Recorder):
+    """A Recorder that writes no file: a Ray task's rows, which it returns to the driver, the one
+    process that appends to results.jsonl (a cluster's nodes need not share a file system).
+    `done`: the rows the file held when the run started (what a resumed run skips)."""
+
+    def __init__(self, preset: str, seed: int, run_id: str, done: list[dict]):
+        super().__init__(".", preset, seed, run_id)
+        self.path = None
+        self._done = {self._key(r["suite"], r["preset"], r["layer"], r["setting"], r["seed"], r["config_hash"]): r
+                      for r in done}
+
+    def append(self, row: dict) -> dict:
+        return self._keep(row)
 
 
 def _finite_or_null(x):

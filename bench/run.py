@@ -119,6 +119,9 @@ def plan(ctx: Context, layers: list[str], todo: list[str]) -> list[Job]:
     return [jobs[i] for i in order]  # stable: ties keep the run order
 
 
+#: how the bench runs its jobs: the embedded process pool on this machine, or Ray tasks on a cluster
+ENGINES = ("pool", "ray")
+
 #: suites whose measurements are timings: the bench runs them first, in its own process, with every
 #: core and no worker busy (a cost row timed beside a training worker measured the neighbour too)
 ALONE = ("cost",)
@@ -223,9 +226,14 @@ def run_bench(
     progress: bool = True,
     jobs: int | None = None,
     resume: bool = False,
+    engine: str = "pool",
+    address: str | None = None,
 ) -> list[dict]:
     """Run the suites and return the recorded rows (also appended to <out>/results.jsonl).
-    `jobs`: worker processes (None: one per CPU core on CPU, 1 on CUDA). `resume`: a measurement
+    `jobs`: worker processes (None: one per CPU core on CPU, 1 on CUDA); with `engine` "ray", the
+    most tasks at once (None: as many as the cluster's resources allow). `engine`: "pool", the
+    embedded process pool, or "ray", each job a Ray task on the cluster at `address`
+    (`memzoo.bench.ray_engine`). `resume`: a measurement
     already in <out>/results.jsonl with the same config hash and seed is skipped (the toys'
     cells; the ppl and niah suites' LMs, each once all its cells are recorded), so a killed run continues where it stopped. Bad arguments (a
     `jobs` below 1, a negative `seed`, an unavailable device, an unwritable `out` or `work_dir`) fail at once."""
@@ -245,6 +253,14 @@ def run_bench(
         raise ConfigError(f"--jobs must be >= 1 (leave it out: one per CPU core on CPU, 1 on CUDA), got {jobs}")
     if seed < 0:
         raise ConfigError(f"--seed must be >= 0 (seeds N, N+1, ... are used), got {seed}")
+    if engine not in ENGINES:
+        raise ConfigError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
+    if address and engine != "ray":
+        raise ConfigError("--address names a Ray cluster: give it with --engine ray")
+    if engine == "ray":
+        from memzoo.bench.ray_engine import import_ray
+
+        import_ray()  # not installed: one line saying how, before any work
     device = resolve_device(device)
     tune_cpu()
     p = load_preset(preset)
@@ -262,6 +278,7 @@ def run_bench(
                 raise ConfigError(f"--layers {bad[0]}: preset {p.name} defines no such {s} variant; it defines "
                                   f"{', '.join(defined) or 'none'}")
     cores = os.cpu_count() or 1
+    max_tasks = jobs
     jobs = jobs or (1 if device != "cpu" else cores)
     rec = Recorder(ensure_writable_dir(out), p.name, seed)
     work_dir = ensure_writable_dir(work_dir or Path("runs") / "bench" / p.name)
@@ -270,10 +287,10 @@ def run_bench(
     queued = plan(ctx, names, todo)
     alone = [j for j in queued if j.suites[0] in ALONE]
     queued = [j for j in queued if j.suites[0] not in ALONE]
-    workers = max(1, min(jobs, len(queued)))
+    workers = 1 if engine == "ray" else max(1, min(jobs, len(queued)))
     print(f"memzoo bench: preset {p.name}, seed {seed}, layers {', '.join(names)}, suites {', '.join(todo)}; "
           f"{len(alone) + len(queued)} jobs" + (f" ({len(alone)} timed alone first)" if alone and queued else "")
-          + (f" for {workers} workers" if workers > 1 else "")
+          + (f" for {workers} workers" if workers > 1 else "") + (" as Ray tasks" if engine == "ray" else "")
           + f"; {total} units of work (training steps, evaluated cells, measured models)")
     t0 = time.time()
     bar = tqdm(total=total, desc="bench", unit="unit", smoothing=0, dynamic_ncols=True, disable=not progress)
@@ -289,7 +306,13 @@ def run_bench(
     ctx.on_work = lambda units, what: show(0, units, what)
     for job in alone:  # before any worker starts: nothing else runs while these are timed
         job.run(ctx)
-    if workers == 1:
+    if engine == "ray" and queued:
+        from memzoo.bench.common import read_results
+        from memzoo.bench.ray_engine import run_jobs
+
+        run_jobs(ctx, queued, address, max_tasks, bar)
+        rec.rows = [r for r in read_results(rec.path) if r["run_id"] == rec.run_id]
+    elif workers == 1:
         for job in queued:
             job.run(ctx)
     elif queued:

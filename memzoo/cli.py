@@ -64,7 +64,7 @@ def cmd_bench(args) -> int:
     from memzoo.bench.run import run_bench
 
     rows = run_bench(args.layers, args.suite, args.preset, args.seed, args.out, args.work_dir, args.device, not args.quiet,
-                     args.jobs, args.resume)
+                     args.jobs, args.resume, args.engine, args.address)
     if failed := sum(r["suite"] == "failed" for r in rows):
         print(f"memzoo bench: {failed} measurement{'s' if failed > 1 else ''} failed (above); the others are recorded",
               file=sys.stderr)
@@ -121,7 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="leaderboards", help="rows are appended to OUT/results.jsonl")
     b.add_argument("--work-dir", help="cache of trained LMs (default runs/bench/<preset>)")
     b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (cuda if available)")
-    b.add_argument("--jobs", type=int, default=None, help="worker processes, >= 1 (default: one per CPU core on CPU, 1 on CUDA)")
+    b.add_argument("--jobs", type=int, default=None, help="worker processes, >= 1 (default: one per CPU core on CPU, 1 on CUDA); "
+                   "with --engine ray, the most tasks at once (default: as the cluster's resources allow)")
+    b.add_argument("--engine", default="pool", choices=("pool", "ray"),
+                   help="pool: worker processes on this machine (default); ray: each job a Ray task, on a local Ray "
+                        "or the cluster at --address (pip install 'memzoo[ray]'; docs/bench.md)")
+    b.add_argument("--address", help="with --engine ray: the Ray cluster's address (ray start --head prints it; "
+                                     "'auto': the cluster on this machine); default RAY_ADDRESS, else a Ray started here")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.add_argument("--resume", action="store_true",
                    help="skip what OUT/results.jsonl already holds for the same config and seed (a killed run continues)")
