@@ -22,7 +22,7 @@ that runs it, so a cell resumes from its checkpoint only on a node that has it.
 from __future__ import annotations
 
 import contextlib
-import os
+import logging
 import signal
 import time
 from pathlib import Path
@@ -89,16 +89,17 @@ class _Reporter:
 
 
 def _task(index: int, job, preset, seed: int, run_id: str, work_dir: str, device: str, resume: bool,
-          done: list[dict], progress) -> list[dict]:
+          done: list[dict], plugins: list[str], progress) -> list[dict]:
     """One job, measured in a Ray worker: the rows it recorded (its failures as `failed` rows)."""
     import torch
 
     from memzoo.bench.common import Collector, Context
     from memzoo.bench.run import compile_cache
     from memzoo.cpu import tune_cpu
-    from memzoo.registry import load_plugins
+    from memzoo.registry import add_plugin
 
-    load_plugins()  # the user layers the driver named (MEMZOO_PLUGINS travels with the task)
+    for module in plugins:  # the user layers the driver has (MEMZOO_PLUGINS, --plugin)
+        add_plugin(module)
     torch.set_num_threads(1)
     tune_cpu()
     compile_cache(Path(work_dir))
@@ -135,30 +136,29 @@ def run_jobs(ctx, jobs: list, address: str | None, max_tasks: int | None, bar) -
     resources allow) and append their rows through `ctx.recorder`. `address`: a running
     cluster's (``ray start --head`` prints it; "auto": the one on this machine); None: RAY_ADDRESS
     if set, else a Ray started here for this run."""
-    from memzoo.bench.common import read_results
-
     ray = import_ray()
     started = not ray.is_initialized()
     if started:
-        plugins = {k: os.environ[k] for k in ("MEMZOO_PLUGINS",) if os.environ.get(k)}
-        import logging
-
-        ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level=logging.ERROR,
-                 runtime_env={"env_vars": plugins} if plugins else None)
+        ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level=logging.ERROR)
     try:
-        _run(ray, ctx, jobs, max_tasks, bar, read_results)
+        _run(ray, ctx, jobs, max_tasks, bar)
     finally:
         if started:
             ray.shutdown()
 
 
-def _run(ray, ctx, jobs, max_tasks, bar, read_results) -> None:
+def _run(ray, ctx, jobs, max_tasks, bar) -> None:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from memzoo.bench.common import read_results
+    from memzoo.registry import plugin_modules
+
     rec = ctx.recorder
     if ctx.device.startswith("cuda") and not ray.cluster_resources().get("GPU"):
         raise ConfigError(f"--device {ctx.device}: the Ray cluster has no GPU ({ray.cluster_resources()})")
-    done = ray.put(read_results(rec.path) if ctx.resume else [])
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+    # what a resumed run skips: this preset's rows in the file, sent to the cluster once
+    done = ray.put([r for r in read_results(rec.path) if r["preset"] == ctx.preset.name] if ctx.resume else [])
+    plugins = list(plugin_modules())
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     progress = ray.remote(num_cpus=0)(_Progress).options(scheduling_strategy=here).remote()  # dies with the driver only
     task = ray.remote(max_retries=1, retry_exceptions=False)(_task)
@@ -173,7 +173,7 @@ def _run(ray, ctx, jobs, max_tasks, bar, read_results) -> None:
             i, job = todo.pop(0)
             opts = resources(job.suites[0], ctx.device)
             ref = task.options(**opts).remote(i, job, ctx.preset, ctx.seed, rec.run_id, str(ctx.work_dir),
-                                              ctx.device, ctx.resume, done, progress)
+                                              ctx.device, ctx.resume, done, plugins, progress)
             running[ref] = i
 
     def show(items: list[tuple]) -> None:
