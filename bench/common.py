@@ -262,6 +262,46 @@ def device_name(device: str) -> str:
     return f"{h['cpu']} ({torch.get_num_threads()} threads)"
 
 
+# ---- the run's torch.compile cache ------------------------------------------------------------
+
+
+def compile_cache(work_dir: Path) -> Path:
+    """Point torch.compile's on-disk cache at ``<work dir>/compile-cache`` for this run and its
+    workers (they inherit the environment and share it: a graph one worker compiled, the other
+    loads; inductor locks what it writes against concurrent compiles). It outlives the run, so
+    a resumed run loads what the killed one compiled (a run resumed seven times with a cache of
+    each run's own spent ~15% of its time recompiling: docs/performance.md).
+
+    Inductor builds each kernel library with g++ straight to its final path, in a scratch dir
+    ``<name>_CxxBuild`` beside it that it removes when the build ends, and later loads any
+    library that exists: a run killed mid-build leaves a truncated one that every later compile
+    of that kernel fails to load ("file too short"). So a scratch dir whose lock no live process
+    holds marks a killed build, and its outputs go with it here; the next compile rebuilds them.
+    The same holds for inductor's precompiled headers, which it keeps in its default dir."""
+    import os
+    import shutil
+
+    path = work_dir / "compile-cache"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    from torch._inductor.codecache import _HEADER_DIR, _HEADER_LOCK_DIR  # where inductor keeps its headers
+    from filelock import FileLock, Timeout  # what inductor locks its builds with
+
+    for builds, locks in ((path.glob("*/*_CxxBuild"), path / "locks"),
+                          (Path(_HEADER_DIR).glob("*_CxxBuild"), Path(_HEADER_LOCK_DIR))):
+        for scratch in builds:
+            key = scratch.name.split(".")[0]
+            locks.mkdir(parents=True, exist_ok=True)
+            try:
+                with FileLock(str(locks / f"{key}.lock"), timeout=0):
+                    for f in scratch.parent.glob(f"{key}*"):
+                        if f.suffix in (".so", ".o", ".gch"):
+                            f.unlink(missing_ok=True)
+                    shutil.rmtree(scratch, ignore_errors=True)
+            except Timeout:  # a live build: another run compiles it now
+                pass
+    return path
+
+
 # ---- recording -----------------------------------------------------------------------------
 
 

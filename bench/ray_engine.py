@@ -93,8 +93,7 @@ def _task(index: int, job, preset, seed: int, run_id: str, work_dir: str, device
     """One job, measured in a Ray worker: the rows it recorded (its failures as `failed` rows)."""
     import torch
 
-    from memzoo.bench.common import Collector, Context
-    from memzoo.bench.run import compile_cache
+    from memzoo.bench.common import Collector, Context, compile_cache
     from memzoo.cpu import tune_cpu
     from memzoo.registry import add_plugin
 

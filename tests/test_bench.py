@@ -53,7 +53,7 @@ def test_unknown_names_are_one_clear_error(capsys):
     assert main(["bench", "--layers", "fwpkm", "--suite", "ppl,speed"]) == 2
     assert "unknown suite(s) 'speed'; valid suites: cost, toys, ppl, niah" in capsys.readouterr().err
     assert main(["bench", "--preset", "huge"]) == 2
-    assert "shipped presets: capacity, paper, recall, recall-10x, standard, tiny" in capsys.readouterr().err
+    assert "shipped presets: capacity, paper, recall, recall-10x, recall-10x-seeds, standard, tiny" in capsys.readouterr().err
 
 
 def test_preset_rejects_unknown_keys(tmp_path):

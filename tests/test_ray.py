@@ -37,7 +37,12 @@ def shared(tmp_path_factory):
     sys.path.insert(0, str(path))
     try:
         yield path
-    finally:
+    finally:  # the plugin's layers leave the registry (the property tests run on every registered layer)
+        from memzoo import registry
+
+        for name in ("ray_doomed", "ray_killer"):
+            registry._LAYERS.pop(name, None)
+        sys.modules.pop("ray_test_plugin", None)
         sys.path.remove(str(path))
         for k, v in old.items():
             if v is None:
