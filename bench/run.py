@@ -119,6 +119,9 @@ def plan(ctx: Context, layers: list[str], todo: list[str]) -> list[Job]:
     return [jobs[i] for i in order]  # stable: ties keep the run order
 
 
+#: the preset a run without --preset measures, by device: minutes on a 2-core CPU, or on one GPU
+DEFAULT_PRESETS = {"cpu": "tiny", "cuda": "gpu"}
+
 #: how the bench runs its jobs: the embedded process pool on this machine, or Ray tasks on a cluster
 ENGINES = ("pool", "ray")
 
@@ -181,25 +184,30 @@ def _worker(args: dict, wid: int, jobs, threads: int, queue) -> None:
 def run_bench(
     layers: str | None,
     suites: str | None = None,
-    preset: str = "tiny",
+    preset: str | None = None,
     seed: int = 0,
     out: str | Path = "leaderboards",
     work_dir: str | Path | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     progress: bool = True,
     jobs: int | None = None,
     resume: bool = False,
     engine: str = "pool",
     address: str | None = None,
+    dry_run: bool = False,
 ) -> list[dict]:
     """Run the suites and return the recorded rows (also appended to <out>/results.jsonl).
+    `preset`: a shipped name or a file; None: the default for the device, `tiny` on a CPU, `gpu`
+    on CUDA (said in one line). `device`: cpu, cuda, cuda:N or auto (cuda where available).
     `jobs`: worker processes (None: one per CPU core on CPU, 1 on CUDA); with `engine` "ray", the
     most tasks at once (None: as many as the cluster's resources allow). `engine`: "pool", the
     embedded process pool, or "ray", each job a Ray task on the cluster at `address`
     (`memzoo.bench.ray_engine`). `resume`: a measurement
     already in <out>/results.jsonl with the same config hash and seed is skipped (the toys'
     cells; the ppl and niah suites' LMs, each once all its cells are recorded), so a killed run continues where it stopped. Bad arguments (a
-    `jobs` below 1, a negative `seed`, an unavailable device, an unwritable `out` or `work_dir`) fail at once."""
+    `jobs` below 1, a negative `seed`, an unavailable device, an unwritable `out` or `work_dir`) fail at once.
+    `dry_run`: print the jobs, what is recorded and an estimate of the time (`memzoo.bench.dry_run`),
+    run nothing and write nothing; the device need not be present."""
     import multiprocessing as mp
     import os
     import queue as queue_mod
@@ -224,8 +232,17 @@ def run_bench(
         from memzoo.bench.ray_engine import import_ray
 
         import_ray()  # not installed: one line saying how, before any work
-    device = resolve_device(device)
+    if dry_run:  # the plan of a run on a device this machine may not have
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        resume = True  # the cells results.jsonl holds are marked
+    else:
+        device = resolve_device(device)
     tune_cpu()
+    if preset is None:
+        preset = DEFAULT_PRESETS["cuda" if device.startswith("cuda") else "cpu"]
+        if device.startswith("cuda"):
+            print(f"memzoo bench: CUDA is available: preset {preset}, the default on a GPU (--preset tiny runs the "
+                  f"CPU's default; --device cpu keeps off the GPU)")
     p = load_preset(preset)
     names, todo = parse_layers(layers), parse_suites(suites or ",".join(p.default_suites))
     for s in todo:  # check every suite's settings before spending minutes on the first
@@ -243,14 +260,22 @@ def run_bench(
     cores = os.cpu_count() or 1
     max_tasks = jobs
     jobs = jobs or (1 if device != "cpu" else cores)
-    rec = Recorder(ensure_writable_dir(out), p.name, seed)
-    work_dir = ensure_writable_dir(work_dir or Path("runs") / "bench" / p.name)
+    rec = Recorder(Path(out) if dry_run else ensure_writable_dir(out), p.name, seed)
+    work_dir = work_dir or Path("runs") / "bench" / p.name
+    work_dir = Path(work_dir) if dry_run else ensure_writable_dir(work_dir)
     ctx = Context(p, seed, rec, work_dir, device, progress, resume=resume)
     total = work_units(ctx, names, todo)
     queued = plan(ctx, names, todo)
     alone = [j for j in queued if j.suites[0] in ALONE]
     queued = [j for j in queued if j.suites[0] not in ALONE]
     workers = 1 if engine == "ray" else max(1, min(jobs, len(queued)))
+    if dry_run:
+        from memzoo.bench.dry_run import print_plan
+
+        print(f"memzoo bench --dry-run: preset {p.name} on {device}, seed {seed}, layers {', '.join(names)}, suites "
+              f"{', '.join(todo)}; {len(alone) + len(queued)} jobs; {total} units of work; nothing is run\n")
+        print_plan(ctx, alone + queued, device, jobs if jobs > 1 else None)
+        return []
     print(f"memzoo bench: preset {p.name}, seed {seed}, layers {', '.join(names)}, suites {', '.join(todo)}; "
           f"{len(alone) + len(queued)} jobs" + (f" ({len(alone)} timed alone first)" if alone and queued else "")
           + (f" for {workers} workers" if workers > 1 else "") + (" as Ray tasks" if engine == "ray" else "")

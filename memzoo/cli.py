@@ -64,7 +64,7 @@ def cmd_bench(args) -> int:
     from memzoo.bench.run import run_bench
 
     rows = run_bench(args.layers, args.suite, args.preset, args.seed, args.out, args.work_dir, args.device, not args.quiet,
-                     args.jobs, args.resume, args.engine, args.address)
+                     args.jobs, args.resume, args.engine, args.address, args.dry_run)
     if failed := sum(r["suite"] == "failed" for r in rows):
         print(f"memzoo bench: {failed} measurement{'s' if failed > 1 else ''} failed (above); the others are recorded",
               file=sys.stderr)
@@ -115,12 +115,13 @@ def main(argv: list[str] | None = None) -> int:
                        epilog=f"shipped presets (zoo_configs/bench/; a preset file of yours may say `base: NAME`):\n{presets}")
     b.add_argument("--layers", default="", help="comma-separated layer names (a toys or niah variant alone as layer/variant, e.g. fwpkm/token), or 'all'; the baseline is always included")
     b.add_argument("--suite", default="", help="comma-separated, of: " + ", ".join(SUITE_NAMES) + " or all (default: the preset's run.suites, else all)")
-    b.add_argument("--preset", default="tiny", help="a shipped preset's name (listed below) or a preset YAML file")
+    b.add_argument("--preset", default=None, help="a shipped preset's name (listed below) or a preset YAML file "
+                   "(default: tiny; gpu where the device is CUDA)")
     b.add_argument("--seed", type=int, default=0, help="the first seed: models and data of seed N, N+1, ... (a preset's "
                                                       "toys.seeds of them); the LM suites train one LM per seed")
     b.add_argument("--out", default="leaderboards", help="rows are appended to OUT/results.jsonl")
     b.add_argument("--work-dir", help="cache of trained LMs (default runs/bench/<preset>)")
-    b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (cuda if available)")
+    b.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (the default: cuda if available)")
     b.add_argument("--jobs", type=int, default=None, help="worker processes, >= 1 (default: one per CPU core on CPU, 1 on CUDA); "
                    "with --engine ray, the most tasks at once (default: as the cluster's resources allow)")
     b.add_argument("--engine", default="pool", choices=("pool", "ray"),
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.add_argument("--resume", action="store_true",
                    help="skip what OUT/results.jsonl already holds for the same config and seed (a killed run continues)")
+    b.add_argument("--dry-run", action="store_true",
+                   help="print the jobs, what is recorded and an estimate of the time on --device (present or not); run nothing")
     b.set_defaults(fn=cmd_bench)
 
     lb = sub.add_parser("leaderboard", help="render OUT/README.md and figures from OUT/results.jsonl")

@@ -53,7 +53,8 @@ def test_unknown_names_are_one_clear_error(capsys):
     assert main(["bench", "--layers", "fwpkm", "--suite", "ppl,speed"]) == 2
     assert "unknown suite(s) 'speed'; valid suites: cost, toys, ppl, niah" in capsys.readouterr().err
     assert main(["bench", "--preset", "huge"]) == 2
-    assert "shipped presets: capacity, paper, recall, recall-10x, recall-10x-seeds, standard, tiny" in capsys.readouterr().err
+    assert ("shipped presets: capacity, gpu, paper, recall, recall-10x, recall-10x-seeds, recall-gpu, standard, tiny"
+            in capsys.readouterr().err)
 
 
 def test_preset_rejects_unknown_keys(tmp_path):
@@ -677,3 +678,52 @@ def test_niah_lms_of_a_memory_only_backbone_with_a_variant_and_controls_asked_on
         niah.Settings(variants={"fwpkm": {"layer": "fwpkm"}})
     with pytest.raises(ConfigError, match="niah.model: unknown backbone field"):
         niah.Settings(model={"widnow": 4})
+
+
+def test_a_dry_run_lists_the_cells_marks_the_recorded_and_estimates_from_the_rows(tmp_path, capsys):
+    """--dry-run runs and writes nothing, plans for a device this machine lacks, and reads its
+    estimate from the preset's rows on that kind of device: a cell's wall time over its steps."""
+    import yaml
+
+    from memzoo.bench.dry_run import ASSUMED_STEP_S, step_seconds
+    from memzoo.bench.run import run_bench
+
+    micro = tmp_path / "micro.yaml"
+    micro.write_text(yaml.safe_dump({"base": "tiny", "toys": {"max_steps": 4, "eval_every": 2, "batch_size": 4,
+                                                              "val_size": 4, "test_size": 4, "lrs": [1e-2, 3e-2]}}))
+    out = tmp_path / "out"
+    assert run_bench("linear", "toys", str(micro), out=out, work_dir=tmp_path / "w", progress=False, dry_run=True,
+                     device="cuda") == []
+    assert not out.exists() and not (tmp_path / "w").exists()  # nothing written
+    text = capsys.readouterr().out
+    assert "preset micro on cuda" in text and "nothing is run" in text
+    assert "toys linear mqar d=64 seed 0" in text and "4 toys cells, 0 recorded" in text
+    assert f"at an assumed {ASSUMED_STEP_S * 1000:g} ms a step" in text
+    assert f"32 training steps at the cap" in text  # 4 cells x 2 lrs x 4 steps
+
+    rows = run_bench("linear", "toys", str(micro), out=out, work_dir=tmp_path / "w", progress=False, device="cpu", jobs=1)
+    lin = next(r for r in rows if r["layer"] == "linear")
+    steps = sum(len(v) for v in lin["metrics"]["val_history_by_lr"].values()) * 2
+    assert step_seconds(lin) == lin["wall_s"] / steps
+    capsys.readouterr()
+    run_bench("linear", "toys", str(micro), out=out, work_dir=tmp_path / "w", progress=False, dry_run=True, device="cpu")
+    text = capsys.readouterr().out
+    assert "4 toys cells, 4 recorded" in text and "0 training steps at the cap" in text
+    assert "from 4 cells of this preset recorded on this CPU" in text
+
+
+def test_without_a_preset_a_cuda_device_runs_the_gpu_default_and_says_so(tmp_path, capsys):
+    from memzoo.bench.run import DEFAULT_PRESETS, run_bench
+
+    run_bench("fwpkm", None, None, out=tmp_path, progress=False, dry_run=True, device="cuda")
+    text = capsys.readouterr().out
+    assert "CUDA is available: preset gpu, the default on a GPU" in text and "preset gpu on cuda" in text
+    run_bench("fwpkm", None, None, out=tmp_path, progress=False, dry_run=True, device="cpu")
+    text = capsys.readouterr().out
+    assert "CUDA" not in text and "preset tiny on cpu" in text
+    gpu, tiny = load_preset(DEFAULT_PRESETS["cuda"]), load_preset("tiny")
+    assert gpu.default_suites == tiny.default_suites  # the same comparison, sized for the device
+    from memzoo.bench.suites import toys
+
+    g, t = (p.settings("toys", toys.Settings) for p in (gpu, tiny))
+    assert g.batch_size * g.max_steps >= 10 * t.batch_size * t.max_steps  # recall at >= 10x tiny's budget

@@ -768,3 +768,74 @@ def test_a_stopped_cell_keeps_the_lrs_it_finished(tmp_path, monkeypatch):
     keys = ("accuracy", "acc_by_kv", "val_by_lr", "lr", "steps", "stop", "history", "left_chance_at_by_lr")
     assert {k: again[k] for k in keys} == {k: whole[k] for k in keys}
     assert not list((ctx.work_dir / "cells").glob("*"))  # nothing left behind
+
+
+# ---- MQAR at several lengths (the recall-gpu preset) ------------------------------------------
+
+
+def test_mqar_at_several_lengths_takes_the_lengths_in_turn_with_their_batches():
+    s = toys.Settings(mqar_vocab=64, mqar_slices=[[16, 1], [16, 2], [32, 4]], batch_size=6, batch_by_length={32: 2},
+                      val_size=5, test_size=3, mqar_gap=0)
+    s.check()
+    task = toys.Task("mqar", s)
+    assert task.slices == [(16, 1), (16, 2), (32, 4)] and task.lengths == [16, 32] and task.seq_len == 32
+    g = torch.Generator().manual_seed(0)
+    shapes = [tuple(task.batch(i, g)[0].shape) for i in range(4)]
+    assert shapes == [(6, 16), (2, 32), (6, 16), (2, 32)]  # one length a step, in turn, each with its batch
+    x, y = task.batch(0, torch.Generator().manual_seed(1))
+    pairs = [(int((t != mqar.IGNORE).sum())) for t in y]  # each sequence asks each of its keys once
+    assert pairs == [1, 1, 1, 2, 2, 2]  # the 16-token kv counts in equal parts
+    assert [task.sequences(n) for n in range(5)] == [0, 6, 8, 14, 16]
+    assert {k: tuple(v[0].shape) for k, v in task.val.items()} == {(16, 1): (5, 16), (16, 2): (5, 16), (32, 4): (5, 32)}
+    assert [task.eval_batch(k) for k in task.slices] == [6, 6, 2]
+    assert [toys.slice_name(k) for k in task.slices] == ["1@16", "2@16", "4@32"]
+    assert sorted(["4@32", "2@16", "12", "1@16"], key=toys.slice_order) == ["12", "1@16", "2@16", "4@32"]
+    assert toys.Task.mean_length("mqar", s) == (16 * 6 + 32 * 2) / 2 / 6  # tokens a step, in sequences of batch_size
+
+
+def test_mqar_slices_are_checked():
+    with pytest.raises(ConfigError, match=r"mqar_slices: \[32, 9\]: n_kv=9 needs seq_len >= 4 \* n_kv \+ gap = 44"):
+        toys.Settings(mqar_slices=[[32, 9]]).check()
+    with pytest.raises(ConfigError, match="each slice is"):
+        toys.Settings(mqar_slices=[32]).check()
+    with pytest.raises(ConfigError, match="given twice"):
+        toys.Settings(mqar_slices=[[32, 2], [32, 2]]).check()
+    with pytest.raises(ConfigError, match="batch_by_length: 64"):
+        toys.Settings(mqar_slices=[[32, 2]], batch_by_length={64: 8}).check()
+    with pytest.raises(ConfigError, match="a batch of 1 sequences of 32 tokens cannot hold one of each of its 2"):
+        toys.Settings(mqar_slices=[[32, 1], [32, 2]], batch_by_length={32: 1}).check()
+
+
+def test_a_single_length_cells_config_is_unchanged_by_the_several_lengths_option():
+    """The recorded rows keep their config hashes (a resumed run skips them): a row of the
+    recall-10x preset in results.jsonl is found again by the cell's key."""
+    from memzoo.bench.common import config_hash, read_results, RESULTS
+    from pathlib import Path
+
+    rows = [r for r in read_results(Path(__file__).parents[1] / "leaderboards" / RESULTS)
+            if r["preset"] == "recall-10x" and r["layer"] == BASELINE]
+    assert rows
+    preset = load_preset("recall-10x")
+    s = preset.settings("toys", toys.Settings)
+    mc = toys.toy_config(preset, BASELINE, 64, s.mqar_vocab, s)
+    assert config_hash(toys.cell_config(mc, "mqar", s, BASELINE)) == rows[-1]["config_hash"]
+
+
+def test_a_micro_run_at_several_lengths_names_its_slices_and_renders(tmp_path):
+    ctx = _ctx(tmp_path, tasks=["mqar"], widths=[16], seeds=1, lrs=[1e-2], mqar_slices=[[16, 1], [32, 2]],
+               batch_by_length={32: 3}, mqar_gap=8, route="memory", model={"layout": "SWA", "window": 4})
+    rows = toys.run(ctx, [BASELINE])
+    for r in rows:
+        m = r["metrics"]
+        assert set(m["acc_by_kv"]) == {"1@16", "2@32"} and set(m["history"][0]["by_slice"]) == {"1@16", "2@32"}
+        assert m["sequences"] == sum(6 if i % 2 == 0 else 3 for i in range(m["steps"]))
+        assert r["config"]["data"]["slices"] == [[16, 1], [32, 2]] and "seq_len" not in r["config"]["data"]
+    df = pd.json_normalize([{k: v for k, v in r.items() if k != "config"} for r in rows])
+    pos = df["layer"] == toys.POSITIVE
+    df.loc[pos, "metrics.acc_by_kv.1@16"] = 1.0
+    df.loc[df["layer"] == toys_report.NEGATIVE, "metrics.accuracy"] = 0.0
+    df.loc[~pos & (df["layer"] != toys_report.NEGATIVE), ["metrics.acc_by_kv.1@16", "metrics.acc_by_kv.2@32"]] = 0.0
+    tabs = toys_report.tables(df)
+    mq = next(t for k, t in tabs.items() if k.startswith("MQAR"))
+    assert [c for c in mq.columns if c.startswith("kv=")] == ["kv=1@16", "kv=2@32"]
+    assert [p.name for p in toys_report.figures(df, tmp_path / "fig")][0] == "toys_mqar_capacity.png"

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from memzoo.bench.common import RESULTS, mean_ci, read_results
 from memzoo.bench.report import layer_order
+from memzoo.bench.suites.toys import slice_order
 
 
 def _key(r: dict) -> tuple:
@@ -91,7 +92,7 @@ def compare(rerun: list[dict], published: list[dict], fresh: bool = False) -> tu
             same["cells"] += 1
             same["same"] += (round(o["metrics"]["accuracy"], 3) == round(n["metrics"]["accuracy"], 3)
                              and o["metrics"]["steps"] == n["metrics"]["steps"] and o["metrics"]["stop"] == n["metrics"]["stop"])
-        for s in sorted(olds[0]["metrics"]["acc_by_kv"], key=float):
+        for s in sorted(olds[0]["metrics"]["acc_by_kv"], key=slice_order):
             pm, ph = mean_ci([o["metrics"]["acc_by_kv"][s] for o in olds])
             rm, rh = mean_ci([n["metrics"]["acc_by_kv"][s] for n in news])
             lines.append({"layer": layer, "task": task, "width": width, "slice": s, "seeds": len(news),

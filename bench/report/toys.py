@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci
 from memzoo.bench.report import layer_order, save_png
-from memzoo.bench.suites.toys import NAME, TASKS
+from memzoo.bench.suites.toys import NAME, TASKS, slice_order
 
 NOTE = """Accuracy is on the labelled positions of the test sets (MQAR: every query; Ba's task: the answer
 after the query): the seeds' mean with the 95% interval of their logits [lo, hi], which stays within
@@ -69,9 +69,9 @@ ACC = "metrics.acc_by_kv."
 
 
 def _slices(df) -> list[str]:
-    """The acc_by_kv columns that hold a value in df, in numeric order."""
+    """The acc_by_kv columns that hold a value in df, by length then kv count ("8", or "32@256")."""
     cols = [c for c in df.columns if c.startswith(ACC) and df[c].notna().any()]
-    return sorted(cols, key=lambda c: float(c[len(ACC):]))
+    return sorted(cols, key=lambda c: slice_order(c[len(ACC):]))
 
 
 #: seeds split into two groups this far apart (in accuracy) are shown as two groups, not one interval
@@ -362,7 +362,8 @@ task whose controls fail is not drawn, nor a layer with fewer seeds than the bas
     order = layer_order(m["layer"])
     palette = dict(zip(order, sns.color_palette("tab10" if len(order) <= 10 else "tab20", len(order))))  # no colour twice
     widths = sorted(int(w) for w in m["setting.d_model"].unique())
-    kvs = [int(c[len(ACC):]) for c in _slices(m)]
+    names = [c[len(ACC):] for c in _slices(m)]
+    kvs = [slice_order(n)[1] for n in names]  # x: the pairs (with several lengths, the labels name them)
     paths = []
 
     fig, axes = plt.subplots(1, len(widths), figsize=(4.8 * len(widths) + 1.4, 4), sharey=True, squeeze=False)
@@ -372,15 +373,15 @@ task whose controls fail is not drawn, nor a layer with fewer seeds than the bas
             if g.empty:
                 continue
             xs = [k * 2 ** (0.05 * (i - (len(order) - 1) / 2)) for k in kvs]  # dodged, so that bars do not hide each other
-            means, bars = _bars([list(g[f"{ACC}{k}"].dropna()) for k in kvs])
+            means, bars = _bars([list(g[f"{ACC}{k}"].dropna()) for k in names])
             ax.errorbar(xs, means, yerr=bars, label=layer, marker="o", capsize=3,
                         color=palette[layer], linestyle="--" if layer in CONTROLS else "-")
             for _, r in g.sort_values("seed").iterrows():  # each seed: erratic seeds make wide intervals
-                ax.scatter(xs, [r[f"{ACC}{k}"] for k in kvs], s=16, marker="x", alpha=0.6, color=palette[layer],
+                ax.scatter(xs, [r[f"{ACC}{k}"] for k in names], s=16, marker="x", alpha=0.6, color=palette[layer],
                            linewidths=1)
         ax.axhline(0.5, color="grey", lw=0.6, ls=":")
         ax.set_xscale("log", base=2)
-        ax.set_xticks(kvs, [str(k) for k in kvs])
+        ax.set_xticks(kvs, names)
         ax.minorticks_off()
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("key-value pairs")

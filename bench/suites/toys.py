@@ -161,6 +161,11 @@ class Settings:
     mqar_vocab: int = 64
     mqar_seq_len: int = 32
     mqar_kv: list = field(default_factory=lambda: [2, 4, 6])
+    # MQAR at several lengths, as Zoology trains it: [seq_len, kv] slices (each evaluated on its own; a
+    # training batch holds one length, the lengths in turn, its kv counts in equal parts); empty: the
+    # mqar_kv counts at mqar_seq_len
+    mqar_slices: list = field(default_factory=list)
+    batch_by_length: dict = field(default_factory=dict)  # {seq_len: batch} over batch_size: long sequences, smaller batches
     power_a: float = 0.01
     mqar_gap: int = 8  # filler tokens between the last pair and the first query (route: memory)
     route: str = "memory"  # the backbone's mixers are local and every query lies beyond their reach; or "hybrid"
@@ -181,6 +186,7 @@ class Settings:
                 mqar.check_sizes(n, self.mqar_seq_len, self.mqar_vocab, self.mqar_gap)
             except ValueError as e:
                 raise ConfigError(f"toys.mqar_kv: {e}") from None
+        self._check_slices()
         for n in self.ar_pairs:
             if not 1 <= n <= ar.MAX_PAIRS:
                 raise ConfigError(f"toys.ar_pairs: {n} is not in 1..{ar.MAX_PAIRS}")
@@ -200,9 +206,6 @@ class Settings:
                               f"query right after the pairs, within any backbone's reach")
         if self.precision not in ("fp32", "bf16"):
             raise ConfigError(f"toys.precision must be 'fp32' or 'bf16', got {self.precision!r}")
-        if "mqar" in self.tasks and self.batch_size < len(self.mqar_kv):
-            raise ConfigError(f"toys.batch_size={self.batch_size} cannot hold one sequence of each of the "
-                              f"{len(self.mqar_kv)} mqar_kv counts")
         if any(not isinstance(w, int) or w < 1 for w in self.widths):
             raise ConfigError(f"toys.widths must be positive integers, got {self.widths}")
         check_variants(self.variants, "toys.variants", ("layer", "options", "at", "widths"))
@@ -219,6 +222,34 @@ class Settings:
         if any(not isinstance(lr, (int, float)) or not 0 < lr < 1 for lr in [*self.lrs, *sum(self.layer_lrs.values(), [])]):
             raise ConfigError(f"toys.lrs and layer_lrs must be numbers in (0, 1), got {self.lrs} {self.layer_lrs}")
         check_backbone(self.model, "toys.model")
+
+    def _check_slices(self) -> None:
+        if not isinstance(self.mqar_slices, list) or not isinstance(self.batch_by_length, dict):
+            raise ConfigError(f"toys.mqar_slices must be a list of [seq_len, kv] and toys.batch_by_length a mapping, got "
+                              f"{self.mqar_slices!r} and {self.batch_by_length!r}")
+        for sl in self.mqar_slices:
+            if not (isinstance(sl, (list, tuple)) and len(sl) == 2 and all(isinstance(v, int) for v in sl)):
+                raise ConfigError(f"toys.mqar_slices: each slice is [seq_len, kv], got {sl!r}")
+            try:
+                mqar.check_sizes(sl[1], sl[0], self.mqar_vocab, self.mqar_gap)
+            except ValueError as e:
+                raise ConfigError(f"toys.mqar_slices: {list(sl)}: {e}") from None
+        if len({tuple(sl) for sl in self.mqar_slices}) < len(self.mqar_slices):
+            raise ConfigError(f"toys.mqar_slices: a slice is given twice in {self.mqar_slices}")
+        lengths = {sl[0] for sl in self.mqar_slices} or {self.mqar_seq_len}
+        for length, b in self.batch_by_length.items():
+            if length not in lengths or not isinstance(b, int) or b < 1:
+                raise ConfigError(f"toys.batch_by_length: {length}: {b!r}: a length of toys.mqar_slices "
+                                  f"({', '.join(map(str, sorted(lengths)))}) and a batch >= 1")
+        for length in lengths:
+            kvs = [n for n_len, n in self.mqar_slices if n_len == length] or self.mqar_kv
+            if "mqar" in self.tasks and self.batch_of(length) < len(kvs):
+                raise ConfigError(f"toys: a batch of {self.batch_of(length)} sequences of {length} tokens cannot hold one "
+                                  f"of each of its {len(kvs)} kv counts")
+
+    def batch_of(self, seq_len: int) -> int:
+        """Training (and evaluation) batch of sequences of `seq_len` tokens."""
+        return self.batch_by_length.get(seq_len, self.batch_size)
 
     def candidates(self, layer: str) -> list[float]:
         return list(self.layer_lrs.get(layer, self.lrs))
@@ -305,9 +336,20 @@ def state_size(model: HybridLM, seq_len: int) -> dict:
 # ---- data ----------------------------------------------------------------------------------
 
 
+def slice_name(key) -> str:
+    """A slice's name in a row: its kv count or pairs ("8"), or kv count and length ("32@256")."""
+    return f"{key[1]}@{key[0]}" if isinstance(key, tuple) else str(key)
+
+
+def slice_order(name: str) -> tuple[float, float]:
+    """Sort key of a slice's name: by length (one length: 0), then kv count or pairs."""
+    kv, _, length = name.partition("@")
+    return float(length or 0), float(kv)
+
+
 class Task:
     """Training batches (a pure function of the generator), and the validation and test sets of
-    each slice (kv count or pairs), from generators of their own."""
+    each slice (kv count or pairs; with ``mqar_slices``, (seq_len, kv)), from generators of their own."""
 
     @staticmethod
     def vocab_of(name: str, s: Settings) -> int:
@@ -315,29 +357,58 @@ class Task:
 
     @staticmethod
     def mean_length(name: str, s: Settings) -> float:
-        """Tokens per training sequence, on average over the steps."""
+        """Tokens per training sequence, on average over the steps (with several lengths, weighted
+        by their batches, in sequences of ``batch_size``)."""
+        if name == "mqar" and s.mqar_slices:
+            lengths = sorted({sl[0] for sl in s.mqar_slices})
+            return sum(n * s.batch_of(n) for n in lengths) / len(lengths) / s.batch_size
         return s.mqar_seq_len if name == "mqar" else sum(2 * n + 3 for n in s.ar_pairs) / len(s.ar_pairs)
 
     def __init__(self, name: str, s: Settings):
         self.name, self.s = name, s
         self.vocab = self.vocab_of(name, s)
-        self.slices = list(s.mqar_kv if name == "mqar" else s.ar_pairs)
-        self.seq_len = s.mqar_seq_len if name == "mqar" else 2 * max(self.slices) + 3
+        several = name == "mqar" and bool(s.mqar_slices)
+        self.slices = [tuple(sl) for sl in s.mqar_slices] if several else list(s.mqar_kv if name == "mqar" else s.ar_pairs)
+        #: the training lengths, in turn (one length: a single entry)
+        self.lengths = sorted({sl[0] for sl in self.slices}) if several else [None]
+        self.seq_len = (max(self.lengths) if several else s.mqar_seq_len) if name == "mqar" else 2 * max(self.slices) + 3
         self.chance = 2 / s.mqar_vocab if name == "mqar" else 1 / 10
-        self.val = {n: self._make(s.val_size, n, torch.Generator().manual_seed(7_919 + n)) for n in self.slices}
-        self.test = {n: self._make(s.test_size, n, torch.Generator().manual_seed(10_007 + n)) for n in self.slices}
+        self.val = {k: self._make(s.val_size, k, torch.Generator().manual_seed(7_919 + self._offset(k))) for k in self.slices}
+        self.test = {k: self._make(s.test_size, k, torch.Generator().manual_seed(10_007 + self._offset(k)))
+                     for k in self.slices}
 
-    def _make(self, size: int, n: int, g: torch.Generator):
+    @staticmethod
+    def _offset(key) -> int:
+        return key[1] + 1_000 * key[0] if isinstance(key, tuple) else key
+
+    def eval_batch(self, key) -> int:
+        """The batch a slice is evaluated in: its length's training batch."""
+        return self.s.batch_of(key[0]) if isinstance(key, tuple) else self.s.batch_size
+
+    def sequences(self, steps: int) -> int:
+        """Training sequences in the first `steps` steps."""
+        if self.lengths == [None]:
+            return steps * self.s.batch_size
+        per = [self.s.batch_of(n) for n in self.lengths]
+        full, part = divmod(steps, len(per))
+        return full * sum(per) + sum(per[:part])
+
+    def _make(self, size: int, key, g: torch.Generator):
         s = self.s
         if self.name == "mqar":
-            return tuple(mqar.make_batch(size, n, s.mqar_seq_len, s.mqar_vocab, s.power_a, g, gap=s.mqar_gap))
-        b = ar.make_batch(size, n, g)  # the answer is the prediction at the last position (the query)
+            length, n = key if isinstance(key, tuple) else (s.mqar_seq_len, key)
+            return tuple(mqar.make_batch(size, n, length, s.mqar_vocab, s.power_a, g, gap=s.mqar_gap))
+        b = ar.make_batch(size, key, g)  # the answer is the prediction at the last position (the query)
         t = torch.full_like(b.tokens, mqar.IGNORE)
         t[:, -1] = b.answer
         return b.tokens, t
 
     def batch(self, step: int, g: torch.Generator):
         s = self.s
+        if self.name == "mqar" and self.lengths != [None]:  # one length a step, in turn; its kv counts in each batch
+            length = self.lengths[step % len(self.lengths)]
+            kvs = [n for n_len, n in self.slices if n_len == length]
+            return tuple(mqar.mixed_batch(s.batch_of(length), kvs, length, s.mqar_vocab, s.power_a, g, gap=s.mqar_gap))
         if self.name == "mqar":  # every kv count in each batch
             return tuple(mqar.mixed_batch(s.batch_size, self.slices, s.mqar_seq_len, s.mqar_vocab, s.power_a, g,
                                           gap=s.mqar_gap))
@@ -348,10 +419,10 @@ class Task:
 
 
 @torch.no_grad()
-def evaluate(model: HybridLM, sets: dict, batch_size: int) -> dict[int, float]:
-    """Accuracy on the labelled positions of each set, in batches of the training batch size,
-    each batch starting from the model's persistent fast weights as they are now (restored
-    after)."""
+def evaluate(model: HybridLM, sets: dict, batch_size) -> dict:
+    """Accuracy on the labelled positions of each set, in batches of the training batch size
+    (an int, or a function of the set's key), each batch starting from the model's persistent
+    fast weights as they are now (restored after)."""
     was = model.training
     model.eval()
     start = model.memory_state(persistent_only=True)
@@ -359,9 +430,10 @@ def evaluate(model: HybridLM, sets: dict, batch_size: int) -> dict[int, float]:
     out = {}
     for n, (x, y) in sets.items():
         hits = total = 0
-        for i in range(0, len(x), batch_size):
+        bs = batch_size(n) if callable(batch_size) else batch_size
+        for i in range(0, len(x), bs):
             model.load_memory_state(start)
-            xc, yc = x[i : i + batch_size].to(dev), y[i : i + batch_size].to(dev)
+            xc, yc = x[i : i + bs].to(dev), y[i : i + bs].to(dev)
             # with targets, as in training: FWL learns from the sequence's next tokens (HybridLM.forward)
             logits = model(xc, targets=yc).logits
             mask = yc != mqar.IGNORE
@@ -452,12 +524,13 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
     def validate(n: int) -> str | None:
         nonlocal evals, best, best_state, stale
         t0 = time.perf_counter()
-        acc = evaluate(model, task.val, s.batch_size)
+        acc = evaluate(model, task.val, task.eval_batch)
         evals += time.perf_counter() - t0
         val = sum(acc.values()) / len(acc)
         tail = losses[-s.eval_every:]
-        history.append({"step": n, "sequences": n * s.batch_size, "val": round(val, 4),
-                        "by_slice": {str(k): round(a, 4) for k, a in acc.items()}, "train_loss": round(sum(tail) / len(tail), 4)})
+        history.append({"step": n, "sequences": task.sequences(n), "val": round(val, 4),
+                        "by_slice": {slice_name(k): round(a, 4) for k, a in acc.items()},
+                        "train_loss": round(sum(tail) / len(tail), 4)})
         stale = 0 if val >= best + s.min_delta else stale + 1
         if val > best:
             best, best_state = val, copy.deepcopy(model.state_dict())
@@ -501,6 +574,9 @@ def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
     """Everything one cell's numbers depend on (its hash decides whether a resumed run skips it)."""
     data = ({"vocab": s.mqar_vocab, "seq_len": s.mqar_seq_len, "kv": s.mqar_kv, "power_a": s.power_a, "gap": s.mqar_gap}
             if task == "mqar" else {"pairs": s.ar_pairs})
+    if task == "mqar" and s.mqar_slices:  # several lengths: the slices and their batches replace seq_len and kv
+        data = {"vocab": s.mqar_vocab, "slices": [list(sl) for sl in s.mqar_slices], "power_a": s.power_a,
+                "gap": s.mqar_gap, "batch_by_length": {str(k): v for k, v in sorted(s.batch_by_length.items())}}
     keep = ("max_steps", "min_steps", "eval_every", "patience", "min_delta", "loss_delta", "target", "batch_size", "warmup",
             "min_lr_ratio", "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size", "solve_on")
     train = {k: getattr(s, k) for k in keep}
@@ -644,7 +720,7 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
     fit = fits[lr]
     at_chance = all(f.val <= 2 * task.chance for f in fits.values())
     t_test = time.perf_counter()
-    acc = evaluate(fit.model, task.test, s.batch_size)
+    acc = evaluate(fit.model, task.test, task.eval_batch)
     t_test = time.perf_counter() - t_test
     x, y = task.test[task.slices[0]]
     with torch.no_grad():  # a forward, so that every memory holds its state
@@ -652,14 +728,14 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
     left = {f"{k:g}": left_chance_at(f.history, task.chance) for k, f in fits.items()}
     metrics = {
         "accuracy": round(sum(acc.values()) / len(acc), 4),
-        "acc_by_kv": {str(n): round(a, 4) for n, a in acc.items()},
+        "acc_by_kv": {slice_name(n): round(a, 4) for n, a in acc.items()},
         "val_accuracy": round(fit.val, 4),
         "lr": lr,
         "lr_chosen": not at_chance,  # at chance at every lr: no lr is chosen (the best of noise is kept)
         "lr_at_edge": edge and len(fits) > 1 and not at_chance,  # one lr given: a choice, not a grid
         "val_by_lr": {f"{k:g}": round(f.val, 4) for k, f in sorted(fits.items())},
         "steps": fit.steps,
-        "sequences": fit.steps * s.batch_size,  # the budget the chosen lr's training used
+        "sequences": task.sequences(fit.steps),  # the budget the chosen lr's training used
         "left_chance_at": left[f"{lr:g}"],  # sequences trained before validation first left chance (None: never)
         "left_chance_at_by_lr": dict(sorted(left.items(), key=lambda kv: float(kv[0]))),
         "stop": fit.stop,
@@ -684,5 +760,5 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
         left_at = metrics["left_chance_at"]
         tqdm.write(f"toys {layer:>14} {task.name:>4} d={width:<4} seed {seed}: test {metrics['accuracy']:.3f} "
                    f"(val {fit.val:.3f}, lr {lr:g}, {fit.steps} steps, {fit.stop}; "
-                   + (f"left chance at {left_at} sequences)" if left_at else f"at chance through {fit.steps * s.batch_size} sequences)"))
+                   + (f"left chance at {left_at} sequences)" if left_at else f"at chance through {task.sequences(fit.steps)} sequences)"))
     return row

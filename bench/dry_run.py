@@ -1,0 +1,102 @@
+"""`memzoo bench --dry-run`: what a run would do, and about how long, without running it.
+
+    memzoo bench --preset recall-gpu --layers all --suite toys --device cuda --dry-run   # on any machine
+
+It prints the run's jobs in the order the bench takes them: each toys cell (model, task, width,
+seed) with its learning rates and its training steps at the cap, marked where results.jsonl already
+holds it (what ``--resume`` skips), and each other job with its units of work. Then the total at
+the cap and an estimate of the time on the target device.
+
+The estimate is read from the rows: the seconds per training step of the preset's toys cells
+recorded on that kind of device (a cell's wall time over the steps it trained at all its lrs:
+compiling and evaluating included), the same model and width where recorded, else the median of
+the device's cells. It is an upper bound in steps (every lr to the cap; an early stop saves the
+rest, an lr tried past the grid's edge adds one) and it knows only devices the preset has run
+on: with no cell recorded there it says so and prints the figure at an assumed seconds per step
+(``ASSUMED_STEP_S``), until the first slice's rows calibrate it. A GPU row is one whose machine
+had a GPU (rows record the machine, ``hardware``, not the device a run chose).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from memzoo.bench.common import read_results
+
+#: the seconds per training step assumed for a device on which the preset has recorded no cell
+#: (a round figure, not a measurement: the estimate says when it uses it)
+ASSUMED_STEP_S = 0.01
+
+
+def step_seconds(row: dict) -> float | None:
+    """A toys row's wall seconds per training step: its wall time over the steps its lrs trained
+    (each lr's evaluations times ``eval_every``; the last evaluation of each may follow a partial
+    interval, so this is a slight overestimate of the steps and an underestimate of the seconds)."""
+    every = row.get("config", {}).get("train", {}).get("eval_every")
+    curves = row.get("metrics", {}).get("val_history_by_lr")
+    if not every or not curves:
+        return None
+    steps = sum(len(c) for c in curves.values()) * every
+    return row["wall_s"] / steps if steps else None
+
+
+def on_device(row: dict, device: str, gpu_name: str | None) -> bool:
+    """Whether a row was measured on the kind of device `device` names: with CUDA, a machine with
+    that GPU (any GPU when its name is not known here); on a CPU, this processor model."""
+    from memzoo.bench.common import hardware
+
+    hw = row.get("hardware", {})
+    if device.startswith("cuda"):
+        return "gpu" in hw and (gpu_name is None or hw["gpu"] == gpu_name)
+    return "gpu" not in hw and hw.get("cpu") == hardware()["cpu"]
+
+
+def print_plan(ctx, queued: list, device: str, jobs: int | None) -> None:
+    """Print the run's jobs, its size at the cap and the estimate (module docstring)."""
+    import torch
+
+    from memzoo.bench.suites import toys
+
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else None
+    s = ctx.preset.settings(toys.NAME, toys.Settings)
+    rows = [r for r in read_results(ctx.recorder.path)
+            if r["suite"] == toys.NAME and r["preset"] == ctx.preset.name and on_device(r, device, gpu)]
+    per_model: dict = {}
+    for r in rows:
+        if (sec := step_seconds(r)) is not None:
+            per_model.setdefault((r["layer"], r["setting"]["d_model"]), []).append(sec)
+    pooled = [x for v in per_model.values() for x in v]
+    where = gpu or ("a GPU" if device.startswith("cuda") else f"this CPU ({rows[0]['hardware']['cpu']})" if rows else "this CPU")
+    total_steps, total_s, recorded, cells = 0, 0.0, 0, 0
+    print(f"{'job':52s} {'lrs':>4s} {'steps at the cap':>17s} {'estimate':>10s}")
+    for job in queued:
+        if job.part is None or job.suites != (toys.NAME,):
+            print(f"{' '.join(job.suites) + ' ' + job.layer:52s} {'':>4s} {'(not estimated)':>17s}")
+            continue
+        name, task, width, seed = job.part
+        done = toys.cell_key(ctx, s, name, task, width, seed)[3] is not None
+        lrs = len(s.candidates(name))
+        steps = 0 if done else lrs * s.max_steps
+        sec = statistics.median(per_model.get((name, width)) or pooled or [ASSUMED_STEP_S])
+        cells += 1
+        recorded += done
+        total_steps += steps
+        total_s += steps * sec
+        what = f"toys {name} {task} d={width} seed {seed}"
+        print(f"{what:52s} {lrs:>4d} {'recorded' if done else f'{steps:,}':>17s} "
+              f"{'' if done else _minutes(steps * sec):>10s}")
+    if not cells:
+        return
+    basis = (f"from {len(pooled)} cells of this preset recorded on {where}" if pooled else
+             f"no cell of preset {ctx.preset.name} is recorded on {where} yet: at an assumed {ASSUMED_STEP_S * 1000:g} ms "
+             f"a step, a round figure (the first slice's rows calibrate it)")
+    packed = f"; --jobs {jobs} runs {jobs} cells at once (at most {jobs}x faster)" if jobs and jobs > 1 else ""
+    print(f"\n{cells} toys cells, {recorded} recorded (--resume skips them); {cells - recorded} to train: "
+          f"{total_steps:,} training steps at the cap (every lr to {s.max_steps:,}; an early stop saves steps, an lr past "
+          f"the grid's edge adds up to {toys.MAX_BEYOND}). Estimate: {_minutes(total_s)} on {where}, one cell at a time "
+          f"({basis}){packed}.")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:,.0f} min" if seconds < 100 * 3600 else f"{seconds / 3600:,.0f} h"
