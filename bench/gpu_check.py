@@ -195,10 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check needs a CUDA device (none here); --dry-run lists what it would run", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    from memzoo.ops.gated_delta_rule import fla_unusable
+    from memzoo.ops.gated_delta_rule import gdn_op
 
     device = torch.cuda.get_device_name()
-    gdn = f"torch path ({why})" if (why := fla_unusable(0)) else "fla's chunk kernel"
+    gdn = gdn_op("cuda")
     summary = {"device": device, "torch": torch.__version__, "gdn_op": gdn,
                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": {}}
     t_start = time.time()
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     lines = [f"# gpu_check on {device} (torch {torch.__version__}), {summary['started']}", "",
-             f"The gated delta rule ran on the {gdn}.", ""]
+             f"The gated delta rule ran on: {gdn}.", ""]
     for name, r in summary["steps"].items():
         lines += [f"- **{name}**: {r['status']}, {r['seconds']} s", *[f"  - {f}" for f in r["figures"]]]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

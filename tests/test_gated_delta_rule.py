@@ -310,3 +310,33 @@ def test_auto_leaves_fla_where_it_refuses_the_gated_backward(monkeypatch, capabi
     assert (why is not None) == refused
     if refused:
         assert "Hopper" in why and triton_version in why
+
+
+def test_the_compiled_torch_path_matches_fla_naive_recurrent_forward_and_backward():
+    """backend="compiled" (what "auto" runs on CUDA where fla cannot): the same chunked algorithm
+    under torch.compile, checked on the CPU against fla's naive recurrence."""
+    B, T, H, K, V = 1, 32, 2, 8, 8
+    xs = make_inputs(B, T, H, K, V, seed=3, requires_grad=True)
+    gen = torch.Generator().manual_seed(4)
+    do, dht = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64), torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+    o, ht = gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, chunk_size=8, backend="compiled")
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    got = [o.detach(), ht.detach(), *(x.grad.clone() for x in xs)]
+    for x in xs:
+        x.grad = None
+    q, k, v, g, beta, h0 = xs
+    ro, rh = naive_recurrent(q, k, v, beta, g, initial_state=h0, output_final_state=True)
+    ((ro * do).sum() + (rh * dht).sum()).backward()
+    want = [ro.detach(), rh.detach(), *(x.grad for x in xs)]
+    for name, a, b in zip(["o", "h_T", "dq", "dk", "dv", "dg", "dbeta", "dh0"], got, want):
+        torch.testing.assert_close(a, b.to(a.dtype), atol=1e-6, rtol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_gdn_op_names_what_auto_runs(monkeypatch):
+    from memzoo.ops import gated_delta_rule as gdr
+
+    assert gdr.gdn_op("cpu") == "torch"
+    monkeypatch.setattr(gdr, "fla_unusable", lambda i=None: "flash-linear-attention is not installed")
+    assert gdr.gdn_op("cuda:0") == "torch, compiled (flash-linear-attention is not installed)"
+    monkeypatch.setattr(gdr, "fla_unusable", lambda i=None: None)
+    assert gdr.gdn_op("cuda") == "fla"

@@ -203,11 +203,10 @@ def measure(mc, tc, s: Settings, device: str, seed: int, with_time: bool, paper:
                 m["baseline_step_s_beside"] = t["beside_step_s"]
                 m["baseline_flops_per_s_beside"] = step_flops(beside[0], s.batch, s.seq_len, seed=seed).total / t["beside_step_s"]
             if "peak_mem_gb" in t:
-                from memzoo.ops.gated_delta_rule import fla_unusable
+                from memzoo.ops.gated_delta_rule import gdn_op
 
                 m["peak_mem_gb"] = t["peak_mem_gb"]
-                why = fla_unusable(torch.device(device).index)
-                m["gdn_op"] = f"torch ({why})" if why else "fla"  # which gated delta rule was timed
+                m["gdn_op"] = gdn_op(device)  # which gated delta rule was timed
     if paper:
         at_table2 = (s.batch, s.seq_len) == (TABLE2_BATCH, TABLE2_SEQ_LEN)
         for ours, key, scale in (("params", "params_m", 1e6), ("flops_table2", "flops_t", 1e12),

@@ -8,7 +8,7 @@
     o_t     = W_o (RMSNorm(S_t q_t) ⊙ silu(W_g x_t))
 
 The recurrence is `memzoo.ops.gated_delta_rule` (chunked pure torch on CPU, fla kernels on
-CUDA). Streaming: the cache holds the last 3 inputs of each short convolution and the
+CUDA, or there where fla cannot run the torch path compiled). Streaming: the cache holds the last 3 inputs of each short convolution and the
 recurrent state S, so split calls equal one call.
 """
 
@@ -91,7 +91,8 @@ class GatedDeltaNet(nn.Module):
         # one dtype for q, k, v (fla's kernels require it; the torch path computes in fp32 anyway)
         q, k = q.to(v.dtype), k.to(v.dtype)
         o, S = gated_delta_rule(
-            q, k, v, g, beta, initial_state=cache.get("S"), output_final_state=True, chunk_size=self.chunk_size
+            q, k, v, g, beta, initial_state=cache.get("S"), output_final_state=True, chunk_size=self.chunk_size,
+            backend="auto-compiled",  # training's lengths repeat: each compiles once
         )
         # per-head RMSNorm of the read, gated by silu(W_g x)
         of = o.float()

@@ -23,7 +23,8 @@ k are expected to be L2-normalised by the caller (the mixer does it); nothing
 here normalises them. scale defaults to K ** -0.5, as in fla.
 
 Public functions:
-    gated_delta_rule            dispatcher ("auto" -> fla on CUDA, else torch)
+    gated_delta_rule            dispatcher ("auto" -> fla on CUDA, else torch; "auto-compiled": the
+                                torch path compiled where it runs on CUDA, for fixed-length callers)
     gated_delta_rule_chunked    chunked torch algorithm (the library reference)
     gated_delta_rule_recurrent  token-by-token loop (the readable definition)
 
@@ -242,6 +243,28 @@ def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_s
 
 
 @functools.cache
+def _compiled_chunked():
+    """The chunked torch path under torch.compile (one graph per sequence length: the chunk loop
+    unrolls), built on first use."""
+    return torch.compile(gated_delta_rule_chunked)
+
+
+#: shorter sequences (decoding, a prompt's tail) take the eager torch path: compiling each new
+#: length would cost more than it saves
+COMPILE_MIN_T = 64
+
+
+def gdn_op(device: str | torch.device) -> str:
+    """Which gated delta rule the GDN mixer ("auto-compiled") runs on `device`, in words (recorded
+    with timed rows)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "torch"
+    why = fla_unusable(dev.index)
+    return f"torch, compiled ({why})" if why else "fla"
+
+
+@functools.cache
 def fla_unusable(device_index: int | None = None) -> str | None:
     """Why fla's chunk kernel cannot serve "auto" on this CUDA device, or None where it can: fla
     not installed, or a Hopper GPU with Triton in [3.4, 3.7.1), where fla refuses the gated
@@ -281,20 +304,29 @@ def gated_delta_rule(
         output_final_state: also return the [B, H, K, V] fp32 state after the last token.
         chunk_size: chunk length of the torch path (fla's kernel uses its own, 64).
         backend: "auto" (fla's chunk kernel on CUDA where it can run, see `fla_unusable`; else
-            torch), "torch" or "fla".
+            torch); "auto-compiled" (as auto, but on CUDA the torch path runs compiled for
+            sequences of COMPILE_MIN_T tokens or more, unless the caller is being compiled
+            already: for callers whose lengths repeat, as the GDN mixer's in training, since each
+            new length compiles a graph); "torch"; "compiled" (the torch path under
+            torch.compile); or "fla".
 
     Returns:
         (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
     """
-    if backend == "auto":
+    if backend in ("auto", "auto-compiled"):
         why = fla_unusable(q.device.index) if q.is_cuda else "CPU"
         if why and q.is_cuda:  # shown once: the message is the same each time (warnings' default filter)
             warnings.warn(f"gated_delta_rule: the torch path on CUDA, not fla's kernel: {why}", stacklevel=2)
-        backend = "torch" if why else "fla"
+        backend = "fla" if not why else "compiled" if (
+            backend == "auto-compiled" and q.is_cuda and q.shape[1] >= COMPILE_MIN_T
+            and not torch.compiler.is_compiling()) else "torch"
+    if backend == "compiled":
+        return _compiled_chunked()(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state, chunk_size=chunk_size)
     if backend == "torch":
         return gated_delta_rule_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                         output_final_state=output_final_state, chunk_size=chunk_size)
     if backend == "fla":
         _check_shapes(q, k, v, g, beta, initial_state)
         return _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state)
-    raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'fla'")
+    raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'auto-compiled', 'torch', 'compiled' or 'fla'")
