@@ -15,6 +15,18 @@ costs its limit, not the loan), with its log in DIR/<step>.log:
     kernels  bench_kernels: each FwPKM kernel and one FwPKM layer step against the torch path (last:
              it takes the time left, at least its reserve, which the steps before it leave)
 
+and, named in ``--only`` (each a slice of the GPU issue's work, sized for one short loan):
+
+    gdn      bench_gdn_op: one GDN op, forward and backward, at the paper's shape: the eager torch
+             path, the compiled one (the mixer's on CUDA without fla) and fla where it runs
+    profile  profile_fwpkm: the FwPKM layer step's top operations and its launches, syncs, copies
+    pack     cells an hour of one small toys run at --jobs 1 and at --jobs 4 on the GPU (each cold:
+             a compile cache of its own), DIR/pack.json
+    recall   the recall-gpu preset for the time left (the controls, the baseline, fwl, linear, fwpkm
+             first), resumed from the checkout's published rows; its new rows in DIR/recall.jsonl
+    main     the main job as a user runs it (`memzoo bench --layers fwpkm,mom,lact`: the gpu preset
+             where CUDA is), timed: DIR/main.log
+
 A step that measures as much as its limit allows (cost, kernels) and is stopped there is reported as
 such, not as a failure; the command exits 1 only when a step failed or was skipped.
 
@@ -57,6 +69,19 @@ class Step:
             return [*py, "memzoo.bench.benchmarks.bench_kernels"]
         if self.name == "train":
             return [*py, "memzoo.bench.gpu_check", "--train-only", str(train_steps), "--out", str(out)]
+        if self.name == "gdn":
+            return [*py, "memzoo.bench.benchmarks.bench_gdn_op", "--json", str(out / "gdn.json")]
+        if self.name == "profile":
+            return [*py, "memzoo.bench.benchmarks.profile_fwpkm", "--out", str(out)]
+        if self.name == "pack":
+            return [*py, "memzoo.bench.gpu_check", "--pack-only", "--out", str(out)]
+        if self.name == "recall":
+            return [*py, "memzoo.cli", "bench", "--preset", "recall-gpu", "--layers", RECALL_LAYERS, "--suite", "toys",
+                    "--device", "cuda", "--jobs", str(RECALL_JOBS), "--resume", "--quiet", "--out", str(scratch / "recall"),
+                    "--work-dir", str(scratch / "recall-work")]
+        if self.name == "main":
+            return [*py, "memzoo.cli", "bench", "--layers", "fwpkm,mom,lact", "--out", str(scratch / "main"),
+                    "--work-dir", str(scratch / "main-work")]
         return [*py, "memzoo.cli", "bench", "--suite", "cost", "--preset", str(scratch / "paper.yaml"), "--layers", "baseline",
                 "--device", "cuda", "--jobs", "1", "--quiet", "--out", str(scratch / "rows"),
                 "--work-dir", str(scratch / "work")]
@@ -78,6 +103,19 @@ def limits(steps: list[Step], budget: float, elapsed: float, i: int) -> int:
     left = budget - elapsed - sum(s.reserve_s for s in steps[i + 1:])
     return int(min(steps[i].limit_s, left) if steps[i].limit_s else left)
 
+
+#: steps run only when named in --only, between cost and kernels
+EXTRA = [
+    Step("gdn", 150, "bench_gdn_op: one GDN op fwd+bwd at the paper's shape, eager / compiled / fla"),
+    Step("profile", 120, "profile_fwpkm: the FwPKM layer step's top operations, launches, syncs and copies"),
+    Step("pack", 300, "cells an hour of a small toys run at --jobs 1 and --jobs 4"),
+    Step("recall", 0, "a slice of the recall-gpu preset, resumed from the published rows", open_ended=True),
+    Step("main", 600, "the main job (memzoo bench --layers fwpkm,mom,lact: the gpu preset), timed"),
+]
+ORDER = [*STEPS[:-1], *EXTRA, STEPS[-1]]
+
+#: the recall step's layers (the issue's first rows: with the baseline come both controls) and packing
+RECALL_LAYERS, RECALL_JOBS = "fwl,linear,fwpkm", 8
 
 FIRST = ["paper/gdn", "paper/gdn-fwpkm2-6-10", "paper/gdn-pkm2-6-10"]  # Table 2's rows wanted most
 
@@ -138,6 +176,49 @@ def train_only(steps: int, out: Path, config: str = TRAIN_CONFIG, device: str = 
     print(json.dumps(fig))
 
 
+# ---- the pack step (run in its own process) ----------------------------------------------------
+
+#: the pack step's run: the gpu preset's toys, short, two seeds (the baseline, both controls and linear: 8 cells)
+PACK = {"base": "gpu", "toys": {"seeds": 2, "max_steps": 300, "min_steps": 300, "eval_every": 100}}
+
+
+def pack(out: Path, device: str = "cuda", jobs: tuple[int, ...] = (1, 4), layers: str = "linear",
+         preset: dict | None = None) -> dict:
+    """Cells an hour of one toys run at each of `jobs` worker processes on `device`, each run cold
+    (its own work dir, so its own compile cache); out/pack.json."""
+    import yaml
+
+    from memzoo.bench.common import device_name
+    from memzoo.bench.run import run_bench
+
+    spec = preset or PACK
+    res = {"device": device_name(device), "preset": spec, "layers": layers, "runs": []}
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "pack.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        for n in jobs:
+            t0 = time.perf_counter()
+            rows = run_bench(layers, "toys", str(path), out=Path(d) / f"rows{n}", work_dir=Path(d) / f"work{n}",
+                             device=device, progress=False, jobs=n)
+            wall = time.perf_counter() - t0
+            cells = sum(r["suite"] == "toys" for r in rows)
+            res["runs"].append({"jobs": n, "cells": cells, "failed": sum(r["suite"] == "failed" for r in rows),
+                                "wall_s": round(wall, 1), "cells_per_hour": round(cells / wall * 3600, 1)})
+    (out / "pack.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res))
+    return res
+
+
+def read_lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.is_file() else []
+
+
+def published_rows() -> Path | None:
+    """leaderboards/results.jsonl of the checkout (the working directory's), if any."""
+    path = Path.cwd() / "leaderboards" / "results.jsonl"
+    return path if path.is_file() else None
+
+
 # ---- the summary ------------------------------------------------------------------------------
 
 
@@ -152,6 +233,22 @@ def figures(name: str, out: Path, log: str) -> list[str]:
         return [f"{f['steps']} steps of {f['tokens_per_step']} tokens: loss {f['first_loss']:.3f} -> {f['last_loss']:.3f} "
                 f"(val {f['val_loss']:.3f}), {f['tokens_per_s']:,.0f} tokens/s (median step {f['median_step_s']:.3f} s), "
                 f"peak {f['peak_mem_gb']:.1f} GiB"]
+    if name == "gdn" and (out / "gdn.json").exists():
+        return [f"{r['path']}: not timed ({r['skipped']})" if "skipped" in r else
+                f"{r['path']}: {r['ms']:.2f} ms ({r['vs_torch']:.2f}x the eager torch path; first call {r['first_call_s']:.0f} s; "
+                f"max rel diff {r['max_rel_diff']:.1e})" for r in json.loads((out / "gdn.json").read_text())]
+    if name == "profile":
+        return [ln[3:] for ln in log.splitlines() if ln.startswith("## ")]
+    if name == "pack" and (out / "pack.json").exists():
+        return [f"--jobs {r['jobs']}: {r['cells']} cells in {r['wall_s']:.0f} s, {r['cells_per_hour']:.0f} cells an hour"
+                + (f" ({r['failed']} failed)" if r["failed"] else "") for r in json.loads((out / "pack.json").read_text())["runs"]]
+    if name == "recall" and (out / "recall.jsonl").exists():
+        rows = [json.loads(ln) for ln in (out / "recall.jsonl").read_text().splitlines()]
+        return [f"{r['layer']} d={r['setting']['d_model']} seed {r['seed']}: test {r['metrics']['accuracy']:.3f} "
+                f"({r['metrics']['stop']}, lr {r['metrics']['lr']:g}, {r['metrics']['sequences']:,} sequences)"
+                for r in rows if r["suite"] == "toys"] or ["no cell finished"]
+    if name == "main":
+        return [ln for ln in log.splitlines() if ln.startswith("memzoo bench: ")][:2]
     if name == "cost" and (out / "results.jsonl").exists():
         lines = []
         for row in map(json.loads, (out / "results.jsonl").read_text().splitlines()):
@@ -175,15 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-steps", type=int, default=20, help="steps of the train step (default 20)")
     ap.add_argument("--dry-run", action="store_true", help="list the steps and exit")
     ap.add_argument("--train-only", type=int, metavar="STEPS", help=argparse.SUPPRESS)
+    ap.add_argument("--pack-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.train_only is not None:
         train_only(a.train_only, a.out)
         return 0
-    names = [s.name for s in STEPS]
-    only = a.only.split(",") if a.only else names
+    if a.pack_only:
+        pack(a.out)
+        return 0
+    names = [s.name for s in ORDER]
+    only = a.only.split(",") if a.only else [s.name for s in STEPS]
     if bad := [n for n in only if n not in names]:
-        ap.error(f"unknown step(s) {', '.join(bad)}; the steps are {', '.join(names)}")
-    steps = [s for s in STEPS if s.name in only]
+        ap.error(f"unknown step(s) {', '.join(bad)}; the steps are {', '.join(names)} (the default: "
+                 f"{', '.join(s.name for s in STEPS)})")
+    steps = [s for s in ORDER if s.name in only]
     out = a.out or Path("gpu_check")
     if a.dry_run:
         print(f"gpu_check: {len(steps)} steps in at most {a.budget} s, logs and rows under {out}/")
@@ -211,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
                 summary["steps"][s.name] = {"status": "skipped (no time left)", "seconds": 0, "figures": []}
                 continue
             print(f"gpu_check: {s.name} (at most {limit} s) ...", flush=True)
+            if s.name == "recall":  # resumed from the published rows: a copy, whose new rows come back
+                (scratch / "recall").mkdir(exist_ok=True)
+                if (src := published_rows()) is not None:
+                    shutil.copy(src, scratch / "recall" / "results.jsonl")
+                before = len(read_lines(scratch / "recall" / "results.jsonl"))
             t0 = time.time()
             with open(out / f"{s.name}.log", "w") as log:
                 try:
@@ -221,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                     status = f"stopped at its limit ({limit} s)" + (", by design" if s.open_ended else "")
             if s.name == "cost" and (scratch / "rows" / "results.jsonl").exists():
                 shutil.copy(scratch / "rows" / "results.jsonl", out / "results.jsonl")
+            if s.name == "recall":
+                new = read_lines(scratch / "recall" / "results.jsonl")[before:]
+                (out / "recall.jsonl").write_text("".join(ln + "\n" for ln in new))
             text = (out / f"{s.name}.log").read_text(errors="replace")
             summary["steps"][s.name] = {"status": status, "seconds": round(time.time() - t0, 1),
                                         "figures": figures(s.name, out, text)}

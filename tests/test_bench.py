@@ -727,3 +727,62 @@ def test_without_a_preset_a_cuda_device_runs_the_gpu_default_and_says_so(tmp_pat
 
     g, t = (p.settings("toys", toys.Settings) for p in (gpu, tiny))
     assert g.batch_size * g.max_steps >= 10 * t.batch_size * t.max_steps  # recall at >= 10x tiny's budget
+
+
+def test_gpu_check_runs_the_gpu_issues_slices_only_when_named(capsys, tmp_path):
+    from memzoo.bench import gpu_check
+
+    assert gpu_check.main(["--dry-run"]) == 0
+    default = capsys.readouterr().out
+    assert all(f"  {s} " not in default for s in ("gdn", "profile", "pack", "recall", "main"))
+    assert gpu_check.main(["--dry-run", "--only", "kernels,recall,gdn,tests"]) == 0
+    listed = [ln.split()[0] for ln in capsys.readouterr().out.splitlines()[1:] if not ln.strip().startswith("$")]
+    assert listed == ["tests", "gdn", "recall", "kernels"]  # in the order they run, kernels last
+    (tmp_path / "gdn.json").write_text(json.dumps([
+        {"path": "torch", "ms": 26.4, "first_call_s": 0.5, "max_rel_diff": 0.0, "vs_torch": 1.0},
+        {"path": "compiled", "ms": 18.1, "first_call_s": 50.2, "max_rel_diff": 1e-6, "vs_torch": 26.4 / 18.1},
+        {"path": "fla", "skipped": "Triton 3.6.0 on a Hopper GPU"}]))
+    assert gpu_check.figures("gdn", tmp_path, "") == [
+        "torch: 26.40 ms (1.00x the eager torch path; first call 0 s; max rel diff 0.0e+00)",
+        "compiled: 18.10 ms (1.46x the eager torch path; first call 50 s; max rel diff 1.0e-06)",
+        "fla: not timed (Triton 3.6.0 on a Hopper GPU)"]
+    row = {"suite": "toys", "layer": "linear", "seed": 0, "setting": {"d_model": 64},
+           "metrics": {"accuracy": 0.9912, "stop": "solved", "lr": 3e-3, "sequences": 123456}}
+    (tmp_path / "recall.jsonl").write_text(json.dumps(row) + "\n")
+    assert gpu_check.figures("recall", tmp_path, "") == ["linear d=64 seed 0: test 0.991 (solved, lr 0.003, 123,456 sequences)"]
+    log = "memzoo bench: CUDA is available: preset gpu, the default on a GPU\nx\nmemzoo bench: 14 rows in 300 s -> f\n"
+    assert gpu_check.figures("main", tmp_path, log) == log.splitlines()[::2]
+
+
+def test_gpu_check_pack_counts_cells_an_hour_at_each_jobs(tmp_path):
+    """The pack step's mechanics on the CPU: one run per --jobs, each cold, its cells an hour."""
+    from memzoo.bench import gpu_check
+
+    tiny = {"base": "tiny", "toys": {"seeds": 1, "max_steps": 2, "min_steps": 2, "eval_every": 1, "val_size": 4,
+                                     "test_size": 4, "batch_size": 4}}
+    res = gpu_check.pack(tmp_path, device="cpu", jobs=(1, 2), layers="linear", preset=tiny)
+    assert [r["jobs"] for r in res["runs"]] == [1, 2]
+    for r in res["runs"]:
+        assert r["cells"] == 4 and r["failed"] == 0  # baseline, the two controls, linear
+        assert r["cells_per_hour"] == pytest.approx(4 / r["wall_s"] * 3600, rel=0.1)  # (wall_s is rounded)
+    assert json.loads((tmp_path / "pack.json").read_text()) == res
+    assert [ln.split(":")[0] for ln in gpu_check.figures("pack", tmp_path, "")] == ["--jobs 1", "--jobs 2"]
+
+
+def test_the_gdn_op_benchmark_checks_its_paths_before_it_times_them():
+    from memzoo.bench.benchmarks import bench_gdn_op
+
+    rows = {r["path"]: r for r in bench_gdn_op.run("cpu", (1, 64, 2, 8), reps=2)}
+    assert rows["torch"]["max_rel_diff"] == 0 and rows["compiled"]["max_rel_diff"] < 1e-5
+    assert rows["fla"] == {"path": "fla", "skipped": "needs CUDA"}
+    assert rows["torch"]["vs_torch"] == 1.0 and rows["compiled"]["ms"] > 0
+
+
+def test_the_fwpkm_profile_lists_the_top_operations(tmp_path):
+    from memzoo.bench.benchmarks import profile_fwpkm
+
+    assert profile_fwpkm.main(["--device", "cpu", "--small", "--steps", "2", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "profile_fwpkm.md").read_text()
+    assert "## torch path: " in text and "kernels on" not in text  # the Triton kernels are profiled on CUDA
+    shares = [float(ln.rsplit("|", 2)[-2].strip(" %")) for ln in text.splitlines() if ln.startswith("| `")]
+    assert 5 <= len(shares) <= 15 and shares == sorted(shares, reverse=True) and sum(shares) <= 100.5
