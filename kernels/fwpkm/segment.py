@@ -8,7 +8,10 @@ to run). Here the entries are sorted by row once (``torch.sort``, stable), each 
 one contiguous segment, and one program sums a segment in entry order and writes its row: no
 atomics, no two programs touching one row, **deterministic** (bit-identical across runs), and the
 write is in place and O(rows touched), never O(table). The price is the sort, O(E log E) on E =
-tokens × reads, small beside the reads. Deterministic matters here more than in most kernels:
+tokens × reads, small beside the reads. Nothing waits for the device: one program per sorted entry
+is launched (E is known on the host), and only the first entry of each row's run sums it, walking
+forward while the row repeats; the others return at once. (Counting the distinct rows first, to
+launch one program per row, would make the host wait for the count at every write.) Deterministic matters here more than in most kernels:
 FwPKM's memory is carried across steps, so run-to-run noise in a write compounds.
 
 For each touched row r, with the entries e of its segment:
@@ -30,15 +33,18 @@ from torch import Tensor
 
 
 @triton.jit
-def _segment_kernel(ORDER, STARTS, UROWS, COEF, CNT, X, TABLE, OUT, D, per_token, alpha,
+def _segment_kernel(ORDER, ROWS, COEF, CNT, X, TABLE, OUT, E, D, per_token, alpha,
                     HAS_X: tl.constexpr, COUNT: tl.constexpr, SUB: tl.constexpr, ACCUMULATE: tl.constexpr,
                     BLOCK_D: tl.constexpr):
-    u = tl.program_id(0)
+    start = tl.program_id(0)  # a position in the sorted entries: it sums its row if it starts the row's run
+    row = tl.load(ROWS + start)
+    first = (start == 0) | (tl.load(ROWS + tl.maximum(start - 1, 0)) != row)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = offs < D
-    start = tl.load(STARTS + u)
-    end = tl.load(STARTS + u + 1)
-    row = tl.load(UROWS + u).to(tl.int64)
+    dmask = (offs < D) & first  # a program that does not start its row's run reads and writes nothing
+    end = start + first.to(tl.int32)  # (no early return: a plain masked program)
+    while first & (end < E) & (tl.load(ROWS + tl.minimum(end, E - 1)) == row):
+        end += 1
+    row = row.to(tl.int64)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     csum = tl.zeros((1,), tl.float32)  # loop-carried scalars as tensors, for the compiler
     cnt = tl.zeros((1,), tl.float32)
@@ -65,14 +71,12 @@ def _segment_kernel(ORDER, STARTS, UROWS, COEF, CNT, X, TABLE, OUT, D, per_token
 
 
 class Segments:
-    """The entries' rows sorted once: reusable by every reduction over the same rows."""
+    """The entries' rows sorted once (stable: each row's entries in entry order), reusable by every
+    reduction over the same rows."""
 
     def __init__(self, rows: Tensor):
         rows = rows.reshape(-1)
-        sorted_rows, self.order = torch.sort(rows, stable=True)
-        self.urows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-        self.starts = torch.zeros(len(counts) + 1, dtype=torch.long, device=rows.device)
-        torch.cumsum(counts, 0, out=self.starts[1:])
+        self.rows, self.order = torch.sort(rows, stable=True)
         self.entries = rows.numel()
 
 
@@ -89,15 +93,14 @@ def segment_sum(out: Tensor, seg: Segments, coef: Tensor, x: Tensor | None = Non
     if x is None and table is not None:
         raise ValueError("table needs x (its rows are subtracted from the coef-weighted x)")
     D = out.shape[-1] if out.dim() > 1 else 1
-    U = seg.urows.numel()
-    if U == 0:
+    if seg.entries == 0:
         return out
     xx = x.contiguous() if x is not None else coef
     cnt = count.contiguous() if count is not None else coef
     BLOCK_D = min(max(triton.next_power_of_2(D), 16), 128)
-    _segment_kernel[(U, triton.cdiv(D, BLOCK_D))](
-        seg.order, seg.starts, seg.urows, coef.contiguous(), cnt, xx, out if table is None else table.contiguous(), out,
-        D, per_token, float(alpha), HAS_X=x is not None, COUNT=count is not None, SUB=table is not None,
+    _segment_kernel[(seg.entries, triton.cdiv(D, BLOCK_D))](
+        seg.order, seg.rows, coef.contiguous(), cnt, xx, out if table is None else table.contiguous(), out,
+        seg.entries, D, per_token, float(alpha), HAS_X=x is not None, COUNT=count is not None, SUB=table is not None,
         ACCUMULATE=accumulate, BLOCK_D=BLOCK_D)
     torch.autograd.graph.increment_version(out)  # a written table: autograd refuses a stale saved copy
     return out
