@@ -235,6 +235,8 @@ def run_bench(
     if dry_run:  # the plan of a run on a device this machine may not have
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         resume = True  # the cells results.jsonl holds are marked
+    elif engine == "ray" and device.startswith("cuda") and not torch.cuda.is_available():
+        pass  # the cluster's GPUs, not this machine's: ray_engine checks that it has one
     else:
         device = resolve_device(device)
     tune_cpu()
@@ -245,6 +247,9 @@ def run_bench(
                   f"CPU's default; --device cpu keeps off the GPU)")
     p = load_preset(preset)
     names, todo = parse_layers(layers), parse_suites(suites or ",".join(p.default_suites))
+    if ALONE[0] in todo and device.startswith("cuda") and not dry_run and not torch.cuda.is_available():
+        raise ConfigError(f"--suite {ALONE[0]} times on this machine, which has no CUDA device; leave it out here "
+                          f"(the Ray tasks run the other suites on the cluster's GPUs)")
     for s in todo:  # check every suite's settings before spending minutes on the first
         mod = suite(s)
         p.settings(mod.NAME, mod.Settings)

@@ -250,3 +250,24 @@ def test_the_default_engine_imports_no_ray():
     code = ("import sys; from memzoo.bench.run import run_bench; import memzoo.cli; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_head_without_a_gpu_hands_cuda_cells_to_the_cluster(monkeypatch, tmp_path):
+    """--engine ray --device cuda on a machine without CUDA: the cells go to the cluster (whose
+    GPUs ray_engine checks), not refused here; the cost suite, which times on this machine, is."""
+    import torch
+
+    from memzoo.bench import ray_engine
+    from memzoo.bench.run import run_bench
+    from memzoo.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    seen = []
+    monkeypatch.setattr(ray_engine, "run_jobs", lambda ctx, jobs, *a: seen.append((ctx.device, len(jobs))))
+    run_bench("linear", "toys", _preset(tmp_path), out=tmp_path, work_dir=tmp_path / "w", progress=False,
+              engine="ray", device="cuda")
+    assert seen == [("cuda", 4)]  # the baseline, both controls and linear, as tasks for the cluster's GPUs
+    with pytest.raises(ConfigError, match="--suite cost times on this machine, which has no CUDA device"):
+        run_bench("linear", "cost,toys", _preset(tmp_path), out=tmp_path, progress=False, engine="ray", device="cuda")
+    with pytest.raises(ConfigError, match="not available"):
+        run_bench("linear", "toys", _preset(tmp_path), out=tmp_path, progress=False, device="cuda")  # the pool: here
