@@ -14,6 +14,7 @@ largest difference relative to the reference's largest magnitude), then timed by
 
     python -m memzoo.bench.benchmarks.bench_gdn_op                     # CUDA, the paper's shape
     python -m memzoo.bench.benchmarks.bench_gdn_op --device cpu --shape 1,128,2,16   # a small check
+    pytest bench/benchmarks/bench_gdn_op.py --benchmark-enable            # pytest-benchmark rows (CUDA)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -100,6 +102,17 @@ def run(device: str = "cuda", shape: tuple[int, int, int, int] = PAPER, reps: in
         rows.append(row)
         print(f"{name:<10} {row['ms']:>9.2f} {row['vs_torch']:>8.2f}x {first:>13.1f} {row['max_rel_diff']:>13.2e}")
     return rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GDN op's benchmark runs at the paper's shape on CUDA")
+@pytest.mark.parametrize("path", ["torch", "compiled"])
+def test_gdn_op(benchmark, path):
+    xs = inputs(PAPER, "cuda")
+    do = torch.randn_like(xs[2])
+    fn = paths("cuda")[path]
+    step(fn, xs, do)  # compiled: compile first
+    benchmark.extra_info.update(path=path, shape=PAPER)
+    benchmark(lambda: (step(fn, xs, do), torch.cuda.synchronize()))
 
 
 def main(argv: list[str] | None = None) -> int:
