@@ -223,7 +223,12 @@ def test_ctrl_c_cancels_the_tasks_and_leaves_the_results_whole(cluster, shared, 
         time.sleep(0.2)
     pid = int(mark.read_text().split()[1])
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    try:  # (a loaded 2-core machine once took over 120 s here, in a full test run; alone it takes seconds)
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the bench did not end within 300 s of Ctrl-C; its stderr ends: {err[-2000:]}")
     assert proc.returncode == 130 and "interrupted" in err and "--resume continues" in err, err[-2000:]
     deadline = time.time() + 60
     while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
