@@ -200,10 +200,10 @@ def pack(out: Path, device: str = "cuda", jobs: tuple[int, ...] = (1, 4), layers
             t0 = time.perf_counter()
             rows = run_bench(layers, "toys", str(path), out=Path(d) / f"rows{n}", work_dir=Path(d) / f"work{n}",
                              device=device, progress=False, jobs=n)
-            wall = time.perf_counter() - t0
+            wall = round(time.perf_counter() - t0, 2)
             cells = sum(r["suite"] == "toys" for r in rows)
             res["runs"].append({"jobs": n, "cells": cells, "failed": sum(r["suite"] == "failed" for r in rows),
-                                "wall_s": round(wall, 1), "cells_per_hour": round(cells / wall * 3600, 1)})
+                                "wall_s": wall, "cells_per_hour": round(cells / wall * 3600, 1)})
     (out / "pack.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res))
     return res
