@@ -11,7 +11,7 @@ The estimate is read from the rows: the seconds per training step of the preset'
 recorded on that kind of device (a cell's wall time over the steps it trained at all its lrs:
 compiling and evaluating included), the same model and width where recorded, else the median of
 the device's cells. It is an upper bound in steps (every lr to the cap; an early stop saves the
-rest, an lr tried past the grid's edge adds one) and it knows only devices the preset has run
+rest, an lr tried past the grid's edge adds one, a grid at chance two) and it knows only devices the preset has run
 on: with no cell recorded there it says so and prints the figure at an assumed seconds per step
 (``ASSUMED_STEP_S``), until the first slice's rows calibrate it. A GPU row is one whose machine
 had a GPU (rows record the machine, ``hardware``, not the device a run chose).
@@ -94,7 +94,7 @@ def print_plan(ctx, queued: list, device: str, jobs: int | None) -> None:
     packed = f"; --jobs {jobs} runs {jobs} cells at once (at most {jobs}x faster)" if jobs and jobs > 1 else ""
     print(f"\n{cells} toys cells, {recorded} recorded (--resume skips them); {cells - recorded} to train: "
           f"{total_steps:,} training steps at the cap (every lr to {s.max_steps:,}; an early stop saves steps, an lr past "
-          f"the grid's edge adds up to {toys.MAX_BEYOND}). Estimate: {_minutes(total_s)} on {where}, one cell at a time "
+          f"the grid's edges adds up to {toys.MAX_BEYOND + 2}). Estimate: {_minutes(total_s)} on {where}, one cell at a time "
           f"({basis}){packed}.")
 
 

@@ -334,11 +334,12 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
         assert r["suite"] == "toys" and r["setting"] == {"task": r["setting"]["task"], "d_model": r["setting"]["d_model"],
                                                           "route": "hybrid"}
         assert 0.0 <= m["accuracy"] <= 1.0 and f"{m['lr']:g}" in m["val_by_lr"]
-        # the grid, and past its edge only where the lr chosen there left chance
-        assert {"0.01", "0.03"} <= set(m["val_by_lr"]) <= {"0.01", "0.03", "0.09", "0.27", "0.00333333", "0.00111111"}
+        # the grid; past both edges where it is at chance; past the chosen lr's edge where it left chance
+        assert {"0.01", "0.03"} <= set(m["val_by_lr"]) <= {"0.01", "0.03", "0.09", "0.27", "0.81", "0.00333333",
+                                                            "0.00111111", "0.00037037"}
         assert m["val_accuracy"] == max(m["val_by_lr"].values())
-        if len(m["val_by_lr"]) > 2:
-            assert m["val_by_lr"]["0.03"] > 2 * m["chance"] or m["val_by_lr"]["0.01"] > 2 * m["chance"]
+        grid_left = max(m["val_by_lr"]["0.01"], m["val_by_lr"]["0.03"]) > 2 * m["chance"]
+        assert grid_left or {"0.00333333", "0.09"} <= set(m["val_by_lr"])
         assert m["lr_chosen"] == (max(m["val_by_lr"].values()) > 2 * m["chance"])
         assert len(m["history"]) == -(-m["steps"] // MICRO["eval_every"]) and m["history"][-1]["step"] == m["steps"]
         assert m["sequences"] == m["steps"] * MICRO["batch_size"]
@@ -675,6 +676,24 @@ def test_an_lr_chosen_at_the_grids_edge_is_found_by_hand():
     assert toys.beyond(1e-3, grid) == pytest.approx(1e-3 / 3) and toys.beyond(3e-3, grid) == pytest.approx(9e-3)
 
 
+def test_the_lrs_a_cell_trains_by_hand():
+    """The grid; at chance everywhere, one lr past each edge; an lr chosen at an edge, the next
+    beyond it (twice at most); one lr given, nothing more. Chance 0.03: left it above 0.06."""
+    fit = lambda v: toys.Fit(None, v, 1, "plateau", 0.0, 0.0)  # noqa: E731
+    grid = [1e-3, 3e-3, 1e-2, 3e-2]
+
+    def tried(vals: dict, lrs=grid) -> list[float]:
+        return list(toys.search(lrs, lambda lr: fit(vals.get(f"{lr:.3g}", 0.03)), 0.03))
+
+    assert tried({"0.003": 0.5}) == grid  # interior: nothing more
+    assert tried({}) == grid + [pytest.approx(1e-3 / 3), pytest.approx(9e-2)]  # none chosen
+    # MoM's recall cell: at chance on the grid, solved below it; 1e-3 / 9 is worse, so 1e-3 / 3 is interior
+    assert tried({"0.000333": 0.98, "0.000111": 0.6}) == grid + [pytest.approx(1e-3 / 3), pytest.approx(9e-2),
+                                                                  pytest.approx(1e-3 / 9)]
+    assert tried({"0.03": 0.5, "0.09": 0.6, "0.27": 0.7}) == grid + [pytest.approx(9e-2), pytest.approx(0.27)]  # 2 at most
+    assert tried({}, [1e-3]) == [1e-3]  # a choice, not a grid
+
+
 def test_left_chance_at_and_lr_columns_by_hand():
     import pandas as pd
 
@@ -807,8 +826,9 @@ def test_mqar_slices_are_checked():
 
 
 def test_a_single_length_cells_config_is_unchanged_by_the_several_lengths_option():
-    """The recorded rows keep their config hashes (a resumed run skips them): a row of the
-    recall-10x preset in results.jsonl is found again by the cell's key."""
+    """A single-length cell's config is the one recorded before the several-lengths option: a row
+    of the recall-10x preset in results.jsonl (protocol 3) is found again by the cell's key, with
+    its protocol version (protocol 4 changed what a grid at chance trains, not this cell)."""
     from memzoo.bench.common import config_hash, read_results, RESULTS
     from pathlib import Path
 
@@ -818,7 +838,8 @@ def test_a_single_length_cells_config_is_unchanged_by_the_several_lengths_option
     preset = load_preset("recall-10x")
     s = preset.settings("toys", toys.Settings)
     mc = toys.toy_config(preset, BASELINE, 64, s.mqar_vocab, s)
-    assert config_hash(toys.cell_config(mc, "mqar", s, BASELINE)) == rows[-1]["config_hash"]
+    assert rows[-1]["config"]["version"] == 3
+    assert config_hash({**toys.cell_config(mc, "mqar", s, BASELINE), "version": 3}) == rows[-1]["config_hash"]
 
 
 def test_a_micro_run_at_several_lengths_names_its_slices_and_renders(tmp_path):

@@ -46,8 +46,10 @@ Protocol, per cell (layer, task, width, seed):
 3. *Learning rate on validation.* Each of ``lrs`` (or ``layer_lrs``) is trained; the best
    validation score picks one; if it lies at an edge of the lrs tried, the next lr beyond it (÷3
    or ×3) is trained too, up to ``MAX_BEYOND`` times, so that no lr is chosen at the edge of its
-   grid; a cell at chance at every lr chooses none (nothing to extend). Only then are the test
-   sets scored.
+   grid. A cell at chance at every lr of its grid first tries one lr past each edge, since the lr
+   that trains within the budget may lie outside the grid (MoM's recall cell: at chance from 1e-3
+   to 3e-2 within the budget, solved at 3.3e-4); at chance there too, it chooses none. Only then
+   are the test sets scored.
 4. *Seeds.* ``seeds`` per cell, one row each; tables show the mean, a 95% t-interval, the seeds
    that left chance, and mark a layer whose interval lies wholly above (▲) or below (▼) the baseline's.
 5. *Controls* (run with the baseline): ``ctrl:attention`` (positive: softmax attention in every
@@ -581,8 +583,9 @@ def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
             "min_lr_ratio", "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size", "solve_on")
     train = {k: getattr(s, k) for k in keep}
     config = {"model": mc.to_dict(), "task": task, "data": data, "lrs": s.candidates(layer), "train": train,
-              "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 3,
-              # 3: no plateau stop while the loss falls; an lr chosen at the grid's edge tries the next beyond it
+              "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 4,
+              # 3: no plateau stop while the loss falls; an lr chosen at the grid's edge tries the next beyond it;
+              # 4: a grid at chance at every lr tries one lr past each edge
               "lr_beyond_edge": MAX_BEYOND}
     if any(get_layer(name).needs_targets for name in mc.memory):  # FWL learns from the next tokens, not the
         config["memory_targets"] = "next"  # task's labels (HybridLM.forward)
@@ -672,22 +675,44 @@ def lr_grid(fits: dict) -> tuple[float, bool]:
 
 def beyond(lr: float, fits: dict) -> float:
     """The next lr past the edge `lr` of the grid: a third of the smallest, or three times the largest."""
-    return lr / 3 if lr == min(fits) else lr * 3
+    return round(lr / 3 if lr == min(fits) else lr * 3, 12)
+
+
+def at_chance(fits: dict, chance: float) -> bool:
+    """Whether no lr tried left chance (its best validation score within twice chance)."""
+    return all(f.val <= 2 * chance for f in fits.values())
 
 
 #: how many lrs past an edge a cell tries before it records its choice at the edge
 MAX_BEYOND = 2
 
 
+def search(lrs: list[float], fit_at, chance: float) -> dict:
+    """{lr: Fit} of the lrs a cell trains, `fit_at(lr)` training one: every lr of the grid; if none
+    left chance, one past each edge (the lr that trains within the budget may lie outside the
+    grid); then, while the chosen lr lies at an edge of the lrs tried and left chance, the next lr
+    past it, at most MAX_BEYOND times (a better one may lie beyond it). One lr given is a choice,
+    not a grid: it is never extended."""
+    fits = {lr: fit_at(lr) for lr in lrs}
+    if len(fits) > 1 and at_chance(fits, chance):
+        for nxt in [beyond(min(fits), fits), beyond(max(fits), fits)]:
+            fits[nxt] = fit_at(nxt)
+    lr, edge = lr_grid(fits)
+    extra = 0
+    while edge and len(fits) > 1 and fits[lr].val > 2 * chance and extra < MAX_BEYOND:
+        nxt = beyond(lr, fits)
+        fits[nxt] = fit_at(nxt)
+        extra += 1
+        lr, edge = lr_grid(fits)
+    return fits
+
+
 def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, setting: dict, s: Settings,
           seed: int) -> dict:
-    """Every lr of the grid, then, while the chosen lr lies at an edge of the lrs tried and left
-    chance, the next lr past it (at most MAX_BEYOND): an lr chosen at the grid's edge may have a better
-    one beyond it. A cell at chance at every lr chooses none (`lr` is the best of noise) and is not
-    extended. Under the work dir, each lr's finished training is kept until the row is recorded and the
+    """Every lr `search` asks for; a cell at chance at every lr it tried chooses none (`lr` is the
+    best of noise). Under the work dir, each lr's finished training is kept until the row is recorded and the
     one in progress is checkpointed (`train_cell`), so a stopped cell continues where it stopped."""
     t0 = time.perf_counter()
-    fits = {}
     ckpt_dir = ctx.work_dir / "cells"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
 
@@ -708,17 +733,10 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
         ctx.advance(s.max_steps - fit.steps, doing)  # the steps an early stop saved
         return fit
 
-    for lr in s.candidates(layer):
-        fits[lr] = fit_at(lr)
+    fits = search(s.candidates(layer), fit_at, task.chance)
     lr, edge = lr_grid(fits)
-    extra = 0
-    while edge and len(fits) > 1 and fits[lr].val > 2 * task.chance and extra < MAX_BEYOND:
-        nxt = round(beyond(lr, fits), 12)
-        fits[nxt] = fit_at(nxt)
-        extra += 1
-        lr, edge = lr_grid(fits)
     fit = fits[lr]
-    at_chance = all(f.val <= 2 * task.chance for f in fits.values())
+    none_left = at_chance(fits, task.chance)
     t_test = time.perf_counter()
     acc = evaluate(fit.model, task.test, task.eval_batch)
     t_test = time.perf_counter() - t_test
@@ -731,8 +749,8 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
         "acc_by_kv": {slice_name(n): round(a, 4) for n, a in acc.items()},
         "val_accuracy": round(fit.val, 4),
         "lr": lr,
-        "lr_chosen": not at_chance,  # at chance at every lr: no lr is chosen (the best of noise is kept)
-        "lr_at_edge": edge and len(fits) > 1 and not at_chance,  # one lr given: a choice, not a grid
+        "lr_chosen": not none_left,  # at chance at every lr: no lr is chosen (the best of noise is kept)
+        "lr_at_edge": edge and len(fits) > 1 and not none_left,  # one lr given: a choice, not a grid
         "val_by_lr": {f"{k:g}": round(f.val, 4) for k, f in sorted(fits.items())},
         "steps": fit.steps,
         "sequences": task.sequences(fit.steps),  # the budget the chosen lr's training used
