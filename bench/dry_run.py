@@ -93,8 +93,8 @@ def print_plan(ctx, queued: list, device: str, jobs: int | None) -> None:
              f"a step, a round figure (the first slice's rows calibrate it)")
     packed = f"; --jobs {jobs} runs {jobs} cells at once (at most {jobs}x faster)" if jobs and jobs > 1 else ""
     print(f"\n{cells} toys cells, {recorded} recorded (--resume skips them); {cells - recorded} to train: "
-          f"{total_steps:,} training steps at the cap (every lr to {s.max_steps:,}; an early stop saves steps, an lr past "
-          f"the grid's edges adds up to {toys.MAX_BEYOND + 2}). Estimate: {_minutes(total_s)} on {where}, one cell at a time "
+          f"{total_steps:,} training steps at the cap (every lr to {s.max_steps:,}; an early stop saves steps, lrs past "
+          f"the grid's edges add up to {toys.MAX_BEYOND + 2}). Estimate: {_minutes(total_s)} on {where}, one cell at a time "
           f"({basis}){packed}.")
 
 
