@@ -826,9 +826,9 @@ def test_mqar_slices_are_checked():
 
 
 def test_a_single_length_cells_config_is_unchanged_by_the_several_lengths_option():
-    """A single-length cell's config is the one recorded before the several-lengths option: a row
-    of the recall-10x preset in results.jsonl (protocol 3) is found again by the cell's key, with
-    its protocol version (protocol 4 changed what a grid at chance trains, not this cell)."""
+    """The recorded rows keep their config hashes (a resumed run skips them): a row of the
+    recall-10x preset in results.jsonl is found again by the cell's key (one lr: the rule for a
+    grid at chance does not change its config either)."""
     from memzoo.bench.common import config_hash, read_results, RESULTS
     from pathlib import Path
 
@@ -838,8 +838,8 @@ def test_a_single_length_cells_config_is_unchanged_by_the_several_lengths_option
     preset = load_preset("recall-10x")
     s = preset.settings("toys", toys.Settings)
     mc = toys.toy_config(preset, BASELINE, 64, s.mqar_vocab, s)
-    assert rows[-1]["config"]["version"] == 3
-    assert config_hash({**toys.cell_config(mc, "mqar", s, BASELINE), "version": 3}) == rows[-1]["config_hash"]
+    assert config_hash(toys.cell_config(mc, "mqar", s, BASELINE)) == rows[-1]["config_hash"]
+    assert "lr_beyond_chance" in toys.cell_config(mc, "mqar", load_preset("recall").settings("toys", toys.Settings), BASELINE)
 
 
 def test_a_micro_run_at_several_lengths_names_its_slices_and_renders(tmp_path):

@@ -583,10 +583,11 @@ def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
             "min_lr_ratio", "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size", "solve_on")
     train = {k: getattr(s, k) for k in keep}
     config = {"model": mc.to_dict(), "task": task, "data": data, "lrs": s.candidates(layer), "train": train,
-              "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 4,
-              # 3: no plateau stop while the loss falls; an lr chosen at the grid's edge tries the next beyond it;
-              # 4: a grid at chance at every lr tries one lr past each edge
+              "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 3,
+              # 3: no plateau stop while the loss falls; an lr chosen at the grid's edge tries the next beyond it
               "lr_beyond_edge": MAX_BEYOND}
+    if len(s.candidates(layer)) > 1:  # a grid at chance at every lr tries one lr past each edge (`search`), since
+        config["lr_beyond_chance"] = 1  # 2026-11-28; one lr given is never extended: its config, and hash, stay
     if any(get_layer(name).needs_targets for name in mc.memory):  # FWL learns from the next tokens, not the
         config["memory_targets"] = "next"  # task's labels (HybridLM.forward)
     return config
