@@ -737,19 +737,24 @@ def test_a_stopped_cell_continues_from_its_checkpoint(tmp_path, monkeypatch):
 
 
 def test_a_layer_at_chance_points_to_its_long_budget_verdict():
-    def row(layer, preset, left, seqs, t="2026-11-28T00:00:00Z", acc=0.03):
-        return {"suite": "toys", "preset": preset, "layer": layer, "seed": 0, "setting": {"task": "mqar", "d_model": 64},
+    def row(layer, preset, left, seqs, t="2026-11-28T00:00:00Z", acc=0.03, seed=0):
+        return {"suite": "toys", "preset": preset, "layer": layer, "seed": seed, "setting": {"task": "mqar", "d_model": 64},
                 "time": t, "run_id": t, "metrics": {"left_chance_at": left, "sequences": seqs, "accuracy": acc,
-                                                    "val_by_lr": {"0.001": 0.5, "0.003": 0.03}}}
+                                                    "val_by_lr": {"0.001": 0.5, "0.003": 0.03}, "lr": 0.001}}
 
     run = [row("fwpkm", "tiny", None, 16000), row("lact", "tiny", None, 16000), row("linear", "tiny", 3200, 16000),
-           row(BASELINE, "tiny", None, 16000), row(toys_report.NEGATIVE, "tiny", None, 16000)]
-    published = [row("fwpkm", toys_report.LONG, None, 640000), row("fwpkm", toys_report.LONG, 192000, 640000, "2026-11-29T00:00:00Z", 0.98)]
+           row("mom", "tiny", None, 16000), row(BASELINE, "tiny", None, 16000), row(toys_report.NEGATIVE, "tiny", None, 16000)]
+    published = [row("fwpkm", toys_report.LONG, None, 640000), row("fwpkm", toys_report.LONG, 192000, 640000, "2026-11-29T00:00:00Z", 0.98),
+                 row("mom", toys_report.LONG, 16000, 640000, acc=0.99),
+                 *(row("mom", toys_report.LONG_SEEDS, left, 640000, seed=s) for s, left in enumerate([16000, None, 32000]))]
     lines = toys_report.notes(run, published)
     assert lines == [
         "fwpkm: at chance through 16k sequences here; at the recall preset's 10x budget (lrs 0.001, 0.003): left chance "
         f"at 192k sequences (test 0.980) (leaderboards/README.md, toys — preset {toys_report.LONG})",  # the latest row
         f"lact: at chance through 16k sequences here; no long-budget check of it is published yet ({toys_report.LONG}: docs/toys.md)",
+        "mom: at chance through 16k sequences here; at the recall preset's 10x budget (lrs 0.001, 0.003): left chance "
+        "at 16k sequences (test 0.990); 2 of 3 seeds left chance at lr 0.001 (leaderboards/README.md, toys — presets "
+        f"{toys_report.LONG} and {toys_report.LONG_SEEDS})",
     ]
 
 

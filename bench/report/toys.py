@@ -29,22 +29,27 @@ cache); a memory shared by the batch (FwPKM as the paper trains it) is counted w
 
 # ---- what a short budget can show ------------------------------------------------------------
 
-#: the preset that checks the recall preset's negative rows at ten times its budget
-LONG = "recall-10x"
+#: the preset that checks the recall preset's negative rows at ten times its budget, and the one
+#: that trains the layers that left chance there with three seeds, at the lr LONG chose
+LONG, LONG_SEEDS = "recall-10x", "recall-10x-seeds"
 
 
 def notes(rows: list[dict], published: list[dict]) -> list[str]:
     """One line per layer that the run's MQAR rows show at chance in every seed: the budget it was
     at chance through, and the published long-budget verdict on it (the `LONG` preset's row in
-    `published`), or that none is published yet. A table at a short budget shows the budget, not
-    the layer, until a longer training says otherwise."""
+    `published`) with how many of the `LONG_SEEDS` preset's seeds left chance, or that none is
+    published yet. A table at a short budget shows the budget, not the layer, until a longer
+    training says otherwise."""
     out = []
-    mine = [r for r in rows if r["suite"] == NAME and r["setting"].get("task") == "mqar" and r["preset"] != LONG
+    mine = [r for r in rows if r["suite"] == NAME and r["setting"].get("task") == "mqar"
+            and r["preset"] not in (LONG, LONG_SEEDS)
             and r["layer"] not in CONTROLS and r["layer"] != BASELINE and "sequences" in r["metrics"]]
-    long = {}
+    long, seeds = {}, {}
     for r in sorted(published, key=lambda r: (r["time"], r["run_id"])):
         if r["suite"] == NAME and r["preset"] == LONG and r["seed"] == 0:
             long[r["layer"]] = r
+        if r["suite"] == NAME and r["preset"] == LONG_SEEDS and r["setting"].get("task") == "mqar":
+            seeds.setdefault(r["layer"], {})[r["seed"]] = r  # the latest row of each seed
     for layer in sorted({r["layer"] for r in mine}):
         g = [r for r in mine if r["layer"] == layer]
         if any(r["metrics"]["left_chance_at"] is not None for r in g):
@@ -58,8 +63,12 @@ def notes(rows: list[dict], published: list[dict]) -> list[str]:
         verdict = (f"left chance at {_count(m['left_chance_at'])} sequences (test {m['accuracy']:.3f})"
                    if m["left_chance_at"] is not None else f"at chance through {_count(m['sequences'])} sequences")
         lrs = ", ".join(m["val_by_lr"])
-        out.append(f"{line}; at the recall preset's 10x budget (lrs {lrs}): {verdict} "
-                   f"(leaderboards/README.md, toys — preset {LONG})")
+        where = f"preset {LONG}"
+        if s := list(seeds.get(layer, {}).values()):
+            left = sum(r["metrics"]["left_chance_at"] is not None for r in s)
+            verdict += f"; {left} of {len(s)} seeds left chance at lr {s[0]['metrics']['lr']:g}"
+            where = f"presets {LONG} and {LONG_SEEDS}"
+        out.append(f"{line}; at the recall preset's 10x budget (lrs {lrs}): {verdict} (leaderboards/README.md, toys — {where})")
     return out
 
 
