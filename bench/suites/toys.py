@@ -47,9 +47,8 @@ Protocol, per cell (layer, task, width, seed):
    validation score picks one; if it lies at an edge of the lrs tried, the next lr beyond it (÷3
    or ×3) is trained too, up to ``MAX_BEYOND`` times, so that no lr is chosen at the edge of its
    grid. A cell at chance at every lr of its grid first tries one lr past each edge, since the lr
-   that trains within the budget may lie outside the grid (MoM's recall cell: at chance from 1e-3
-   to 3e-2 within the budget, solved at 3.3e-4); at chance there too, it chooses none. Only then
-   are the test sets scored.
+   that trains within the budget may lie outside the grid (docs/toys.md, "A grid at chance tries
+   past both edges"); at chance there too, it chooses none. Only then are the test sets scored.
 4. *Seeds.* ``seeds`` per cell, one row each; tables show the mean, a 95% t-interval, the seeds
    that left chance, and mark a layer whose interval lies wholly above (▲) or below (▼) the baseline's.
 5. *Controls* (run with the baseline): ``ctrl:attention`` (positive: softmax attention in every
@@ -586,8 +585,8 @@ def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
               "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 3,
               # 3: no plateau stop while the loss falls; an lr chosen at the grid's edge tries the next beyond it
               "lr_beyond_edge": MAX_BEYOND}
-    if len(s.candidates(layer)) > 1:  # a grid at chance at every lr tries one lr past each edge (`search`), since
-        config["lr_beyond_chance"] = 1  # 2026-11-28; one lr given is never extended: its config, and hash, stay
+    if len(s.candidates(layer)) > 1:  # a grid at chance at every lr tries one lr past each edge (`search`);
+        config["lr_beyond_chance"] = 1  # one lr given is never extended, so its config (and hash) has no such key
     if any(get_layer(name).needs_targets for name in mc.memory):  # FWL learns from the next tokens, not the
         config["memory_targets"] = "next"  # task's labels (HybridLM.forward)
     return config
