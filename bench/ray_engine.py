@@ -10,8 +10,9 @@ the bench's one bar.
 
 A task whose worker process or node dies is retried once (Ray's `max_retries`); dying again, it is
 recorded failed as the pool records a cell whose worker died, and `--resume` measures it again.
-Ctrl-C cancels every task; the rows already appended stay whole (the driver defers the interrupt
-while it writes one). The timed suites (cost) run on the driver's machine, alone, before any task
+Ctrl-C cancels every task and waits (briefly) for the cluster to end them before the driver leaves;
+the rows already appended stay whole (the driver defers the interrupt while it writes one, or
+submits a task). The timed suites (cost) run on the driver's machine, alone, before any task
 starts, as with the pool: a timing taken beside a neighbour measures the neighbour.
 
 Ray is imported here only, so only with `--engine ray`: ``pip install 'memzoo[ray]'``. A task's
@@ -35,6 +36,9 @@ INSTALL = "pip install 'memzoo[ray]'"
 #: 64-256, batch 32) uses a small part of a GPU, so eight run side by side; an LM job gets half
 GPU_SHARE = {"toys": 0.125}
 GPU_SHARE_DEFAULT = 0.5
+
+#: seconds the driver waits, after Ctrl-C, for the cluster to end the tasks it cancelled
+CANCEL_WAIT_S = 30
 
 #: seconds between a task's progress reports (the bar needs no more, and each is a remote call)
 REPORT_EVERY_S = 0.5
@@ -141,9 +145,13 @@ def run_jobs(ctx, jobs: list, address: str | None, max_tasks: int | None, bar) -
         ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level=logging.ERROR)
     try:
         _run(ray, ctx, jobs, max_tasks, bar)
-    finally:
+    except BaseException:  # the driver leaves anyway: a failing shutdown must not hide why
         if started:
-            ray.shutdown()
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+        raise
+    if started:
+        ray.shutdown()
 
 
 def _run(ray, ctx, jobs, max_tasks, bar) -> None:
@@ -171,9 +179,10 @@ def _run(ray, ctx, jobs, max_tasks, bar) -> None:
         while todo and (max_tasks is None or len(running) < max_tasks):
             i, job = todo.pop(0)
             opts = resources(job.suites[0], ctx.device)
-            ref = task.options(**opts).remote(i, job, ctx.preset, ctx.seed, rec.run_id, str(ctx.work_dir),
-                                              ctx.device, ctx.resume, done, plugins, progress)
-            running[ref] = i
+            with _no_interrupt():  # a task submitted is one Ctrl-C cancels
+                ref = task.options(**opts).remote(i, job, ctx.preset, ctx.seed, rec.run_id, str(ctx.work_dir),
+                                                  ctx.device, ctx.resume, done, plugins, progress)
+                running[ref] = i
 
     def show(items: list[tuple]) -> None:
         for i, n, what in items:
@@ -214,5 +223,10 @@ def _run(ray, ctx, jobs, max_tasks, bar) -> None:
         show(ray.get(progress.take.remote()))
     except BaseException:  # Ctrl-C, or the driver failing: no task goes on measuring
         for ref in running:
-            ray.cancel(ref, force=True)
+            with contextlib.suppress(Exception):  # one that ended meanwhile
+                ray.cancel(ref, force=True)
+        # the cancels done before the driver disconnects: none is still being handed to a worker
+        if running:
+            with contextlib.suppress(Exception):
+                ray.wait(list(running), num_returns=len(running), timeout=CANCEL_WAIT_S)
         raise
