@@ -500,8 +500,9 @@ def test_each_published_table_says_what_its_rows_mix():
 
 def test_no_table_mixes_machine_models_or_protocols():
     """Rows of one suite and preset on two machines (or of two protocol versions) are two sections,
-    each named by its machine (and protocol); the latest row of a measurement decides where it is
-    shown, so a measurement repeated on another machine leaves the first machine's section."""
+    each named by its machine (and protocol). A section stays whole (its controls beside its rows)
+    while one of its measurements is the latest of all, and is gone once all were measured again
+    elsewhere."""
     from memzoo.bench.report import _groups, section_name
 
     def row(layer, cpu, t, version=3, gpu=None, seed=0):
@@ -513,8 +514,12 @@ def test_no_table_mixes_machine_models_or_protocols():
             row("pkm", "AMD EPYC", "4", version=2)]
     sections = [(sorted(df["layer"]), section_name(n, p, shown, rows)) for n, p, _, df, shown in _groups(rows, with_rows=True)]
     assert sections == [(["pkm"], "cost — preset `paper` — AMD EPYC, protocol 2"),
-                        (["baseline"], "cost — preset `paper` — AMD EPYC, protocol 3"),
+                        (["baseline", "fwpkm"], "cost — preset `paper` — AMD EPYC, protocol 3"),
                         (["fwpkm"], "cost — preset `paper` — NVIDIA H200, protocol 3")]
+    rows.append(row("pkm", "AMD EPYC", "5"))  # protocol 2's only measurement, again under protocol 3
+    sections = [(sorted(df["layer"]), section_name(n, p, shown, rows)) for n, p, _, df, shown in _groups(rows, with_rows=True)]
+    assert sections == [(["baseline", "fwpkm", "pkm"], "cost — preset `paper` — AMD EPYC"),
+                        (["fwpkm"], "cost — preset `paper` — NVIDIA H200")]
     one = [r for r in rows if r["layer"] == "baseline"]
     assert [section_name(n, p, shown, one) for n, p, _, _, shown in _groups(one, with_rows=True)] == ["cost — preset `paper`"]
 

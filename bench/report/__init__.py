@@ -8,9 +8,10 @@ printed under a run's tables). The suites themselves (``bench/suites/``) only me
 
 Rendering reads nothing but results.jsonl, so the published tables and plots can always be
 regenerated and checked: the same file gives the same bytes (sorted rows, no clock, PNGs
-without metadata). Where a (suite, preset, layer, setting) was measured more than once, the
-latest row counts (per seed); every row's provenance stays in results.jsonl and the README lists the runs
-behind the tables.
+without metadata). Where a (suite, preset, layer, setting) was measured more than once on one
+machine model and protocol, the latest row counts (per seed); a section measured again elsewhere
+stays whole until all of it was (`_groups`); every row's provenance stays in results.jsonl and the
+README lists the runs behind the tables.
 """
 
 from __future__ import annotations
@@ -53,16 +54,22 @@ def frame(rows: list[dict]):
 def _groups(rows: list[dict], with_rows: bool = False):
     """(suite, preset, module, DataFrame) for every table section, in the suites' order (and the
     rows themselves, with `with_rows`). A section is one suite and preset on one machine model and
-    one protocol version: the latest row of each measurement decides where it is shown, and rows
-    of other machines or protocols become a section of their own (named by `section_name`), never
-    mixed into one table."""
-    rows = latest(rows)
+    one protocol version (rows of others become a section of their own, named by `section_name`,
+    never mixed into one table), with that machine's latest row of each measurement. A section is
+    shown whole while any of its measurements is the latest of all, and is gone once every one was
+    measured again later on another machine or protocol: its controls and baseline stay beside its
+    rows (a layer measured again elsewhere, with more seeds, does not leave a table without them)."""
     for name in NAMES:
         for preset in sorted({r["preset"] for r in rows if r["suite"] == name}):
             sub = [r for r in rows if r["suite"] == name and r["preset"] == preset]
-            for key in sorted({_kind(r) for r in sub}):
-                part = [r for r in sub if _kind(r) == key]
+            for key in _shown(sub):
+                part = latest([r for r in sub if _kind(r) == key])
                 yield (name, preset, module(name), frame(part)) + ((part,) if with_rows else ())
+
+
+def _shown(rows: list[dict]) -> list[tuple[str, str]]:
+    """The (machine, protocol) kinds of one suite's and preset's rows that still hold a latest row."""
+    return sorted({_kind(r) for r in latest(rows)})
 
 
 def _kind(r: dict) -> tuple[str, str]:
@@ -82,7 +89,7 @@ def _folder(section: str, preset: str) -> str:
 def section_name(name: str, preset: str, rows: list[dict], all_rows: list[dict]) -> str:
     """The heading of a section: suite and preset, and the machine model and protocol version where
     the suite and preset have rows of several."""
-    kinds = {_kind(r) for r in latest(all_rows) if r["suite"] == name and r["preset"] == preset}
+    kinds = _shown([r for r in all_rows if r["suite"] == name and r["preset"] == preset])
     head = f"{name} — preset `{preset}`"
     if len(kinds) > 1:
         m, v = _kind(rows[0])
