@@ -259,12 +259,14 @@ MEMORY_ROUTE = (", the memory the only route (a local backbone; every query lies
 
 def incomplete(df) -> tuple:
     """(df without them, {task: ["layer (n of N seeds)", ...]}): the layers and variants of a task
-    and width with fewer seeds than the baseline's there, such as a cell whose run was stopped
-    between seeds (a resumed run adds the rest). A published cell has every seed; the controls
-    stay, since the validity of the harness is judged on each of their seeds."""
+    and width with fewer seeds than the baseline's there (at a width without a baseline, such as
+    a narrow variant's: than the task's baseline), such as a cell whose run was stopped between
+    seeds (a resumed run adds the rest). A published cell has every seed; the controls stay, since
+    the validity of the harness is judged on each of their seeds."""
     keep, out = df.index == df.index, {}
     for (task, w), d in df.groupby(["setting.task", "setting.d_model"]):
-        full = d.loc[d["layer"] == BASELINE, "seed"].nunique()
+        base = d if (d["layer"] == BASELINE).any() else df[df["setting.task"] == task]
+        full = base.loc[base["layer"] == BASELINE, "seed"].nunique()
         for layer, g in d.groupby("layer"):
             n = g["seed"].nunique()
             if layer != BASELINE and layer not in CONTROLS and n < full:
