@@ -429,6 +429,8 @@ def test_a_layer_short_of_the_baselines_seeds_is_withheld(tmp_path):
     assert list(table["layer"]) == [BASELINE, "pkm", *toys.CONTROLS]
     assert "linear" not in set(toys_report.tables(df)["Recurrent state per sequence (numbers) and parameters"]["layer"])
     assert toys_report.incomplete(df[df["layer"] != "linear"])[1] == {}  # nothing short: nothing withheld
+    capped = {**rows[-1], "metrics": {**rows[-1]["metrics"], "stop": "capped", "sequences": 640}}
+    assert toys_report.reading(pd.json_normalize(rows[:-1] + [capped])) == ["Stops: 12 solved."]  # nor read
     narrow = dict(_row("fwl/narrow", 0, 0.7), setting={"task": "mqar", "d_model": 8})  # no baseline at its width
     assert toys_report.incomplete(pd.json_normalize(rows + [narrow]))[1] == {
         "mqar": ["fwl/narrow (1 of 3 seeds)", "linear (1 of 3 seeds)"]}

@@ -443,8 +443,9 @@ task whose controls fail is not drawn, nor a layer with fewer seeds than the bas
 
 def reading(df) -> list[str]:
     """The reading note's lines computed from the section's rows: how the trainings stopped, and
-    which layers' rows are statements about their budget (at chance or capped in every seed)."""
-    out = []
+    which layers' rows are statements about their budget (at chance or capped in every seed). A
+    layer withheld for want of seeds (`incomplete`) is not read either."""
+    df, out = incomplete(df)[0], []
     stops = df["metrics.stop"].value_counts()
     out.append("Stops: " + ", ".join(f"{n} {k}" for k, n in sorted(stops.items())) + ".")
     if "metrics.sequences" in df:
