@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--steps", type=int, default=600, help="stop after this many steps (the schedule stays the preset's)")
     ap.add_argument("--every", type=int, default=25)
-    ap.add_argument("--layer", default="fwpkm/token")
+    ap.add_argument("--layer", default="fwpkm/token", choices=["fwpkm/token", "fwpkm/token-small"])
     ap.add_argument("--option", action="append", default=[], metavar="K=V",
                     help="a layer option over the variant's (a Python literal), e.g. addr_loss_weight=0.0")
     a = ap.parse_args(argv)
@@ -58,8 +58,7 @@ def main(argv=None) -> None:
     task = toys.Task("mqar", s)
     for kv in a.option:
         k, v = kv.split("=", 1)
-        opts = s.variants[a.layer]["options"] if a.layer in s.variants else s.layer_options.setdefault(a.layer, {})
-        opts[k] = ast.literal_eval(v)
+        s.variants[a.layer]["options"][k] = ast.literal_eval(v)
     mc = toys.toy_config(preset, a.layer, s.widths[0], task.vocab, s)
     made = []
 
