@@ -742,23 +742,27 @@ def test_a_stopped_cell_continues_from_its_checkpoint(tmp_path, monkeypatch):
 
 
 def test_a_layer_at_chance_points_to_its_long_budget_verdict():
-    def row(layer, preset, left, seqs, t="2026-11-28T00:00:00Z", acc=0.03, seed=0):
+    def row(layer, preset, left, seqs, t="2026-11-28T00:00:00Z", acc=0.03, seed=0, lr=0.001, model=None):
         return {"suite": "toys", "preset": preset, "layer": layer, "seed": seed, "setting": {"task": "mqar", "d_model": 64},
-                "time": t, "run_id": t, "metrics": {"left_chance_at": left, "sequences": seqs, "accuracy": acc,
-                                                    "val_by_lr": {"0.001": 0.5, "0.003": 0.03}, "lr": 0.001}}
+                "time": t, "run_id": t, "config": {"model": model or {"memory": {layer.split("/")[0]: {}}}},
+                "metrics": {"left_chance_at": left, "sequences": seqs, "accuracy": acc,
+                            "val_by_lr": {"0.001": 0.5, "0.003": 0.03}, "lr": lr}}
 
     run = [row("fwpkm", "tiny", None, 16000), row("lact", "tiny", None, 16000), row("linear", "tiny", 3200, 16000),
            row("mom", "tiny", None, 16000), row(BASELINE, "tiny", None, 16000), row(toys_report.NEGATIVE, "tiny", None, 16000)]
     published = [row("fwpkm", toys_report.LONG, None, 640000), row("fwpkm", toys_report.LONG, 192000, 640000, "2026-11-29T00:00:00Z", 0.98),
                  row("mom", toys_report.LONG, 16000, 640000, acc=0.99),
-                 *(row("mom", toys_report.LONG_SEEDS, left, 640000, seed=s) for s, left in enumerate([16000, None, 32000]))]
+                 *(row("mom", toys_report.LONG_SEEDS, left, 640000, seed=s) for s, left in enumerate([16000, None, 32000])),
+                 # the same model at another lr counts with it; another model under the layer's name does not
+                 *(row("mom/lr3e-4", toys_report.LONG_SEEDS, left, 640000, seed=s, lr=3e-4) for s, left in enumerate([None, 8000])),
+                 row("mom/wide", toys_report.LONG_SEEDS, 8000, 640000, model={"memory": {"mom": {"width": 2}}})]
     lines = toys_report.notes(run, published)
     assert lines == [
         "fwpkm: at chance through 16k sequences here; at the recall preset's 10x budget (lrs 0.001, 0.003): left chance "
         f"at 192k sequences (test 0.980) (leaderboards/README.md, toys — preset {toys_report.LONG})",  # the latest row
         f"lact: at chance through 16k sequences here; no long-budget check of it is published yet ({toys_report.LONG}: docs/toys.md)",
         "mom: at chance through 16k sequences here; at the recall preset's 10x budget (lrs 0.001, 0.003): left chance "
-        "at 16k sequences (test 0.990); 2 of 3 seeds left chance at lr 0.001 (leaderboards/README.md, toys — presets "
+        "at 16k sequences (test 0.990); 2 of 3 seeds left chance at lr 0.001, 1 of 2 at lr 0.0003 (leaderboards/README.md, toys — presets "
         f"{toys_report.LONG} and {toys_report.LONG_SEEDS})",
     ]
 

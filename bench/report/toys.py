@@ -37,7 +37,8 @@ LONG, LONG_SEEDS = "recall-10x", "recall-10x-seeds"
 def notes(rows: list[dict], published: list[dict]) -> list[str]:
     """One line per layer that the run's MQAR rows show at chance in every seed: the budget it was
     at chance through, and the published long-budget verdict on it (the `LONG` preset's row in
-    `published`) with how many of the `LONG_SEEDS` preset's seeds left chance, or that none is
+    `published`) with how many of the `LONG_SEEDS` preset's seeds left chance at each lr (the
+    layer's own lr, and that of a variant that is the same model at another lr), or that none is
     published yet. A table at a short budget shows the budget, not the layer, until a longer
     training says otherwise."""
     out = []
@@ -50,6 +51,7 @@ def notes(rows: list[dict], published: list[dict]) -> list[str]:
             long[r["layer"]] = r
         if r["suite"] == NAME and r["preset"] == LONG_SEEDS and r["setting"].get("task") == "mqar":
             seeds.setdefault(r["layer"], {})[r["seed"]] = r  # the latest row of each seed
+    model = lambda r: r.get("config", {}).get("model")  # noqa: E731
     for layer in sorted({r["layer"] for r in mine}):
         g = [r for r in mine if r["layer"] == layer]
         if any(r["metrics"]["left_chance_at"] is not None for r in g):
@@ -64,9 +66,18 @@ def notes(rows: list[dict], published: list[dict]) -> list[str]:
                    if m["left_chance_at"] is not None else f"at chance through {_count(m['sequences'])} sequences")
         lrs = ", ".join(m["val_by_lr"])
         where = f"preset {LONG}"
-        if s := list(seeds.get(layer, {}).values()):
-            left = sum(r["metrics"]["left_chance_at"] is not None for r in s)
-            verdict += f"; {left} of {len(s)} seeds left chance at lr {s[0]['metrics']['lr']:g}"
+        # the layer's seeds, and those of its variants that are the same model at another lr (`lact/lr3.3e-4`)
+        same = [v for name, v in seeds.items() if name == layer or (name.startswith(layer + "/") and model(ref)
+                                                                    and all(model(r) == model(ref) for r in v.values()))]
+        if same:
+            by_lr = {}
+            for v in same:
+                for r in v.values():
+                    by_lr.setdefault(r["metrics"]["lr"], []).append(r)
+            parts = [f"{sum(r['metrics']['left_chance_at'] is not None for r in g)} of {len(g)}"
+                     + (" seeds left chance" if i == 0 else "") + f" at lr {lr:g}"
+                     for i, (lr, g) in enumerate(sorted(by_lr.items(), key=lambda kv: -kv[0]))]
+            verdict += "; " + ", ".join(parts)
             where = f"presets {LONG} and {LONG_SEEDS}"
         out.append(f"{line}; at the recall preset's 10x budget (lrs {lrs}): {verdict} (leaderboards/README.md, toys — {where})")
     return out
