@@ -767,6 +767,25 @@ def test_a_layer_at_chance_points_to_its_long_budget_verdict():
     ]
 
 
+def test_the_figures_legend_names_a_model_drawn_in_one_panel_only_and_no_colour_repeats():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2)
+    axes[0].plot([1, 2], [0, 1], label="fwl/narrow")  # drawn at one width only
+    axes[1].plot([1, 2], [0, 1], label="fwl")
+    axes[1].plot([1, 2], [1, 0], label="fwpkm")
+    axes[0].plot([1, 2], [1, 1], label="fwl")  # at both widths: named once
+    toys_report._legend(axes, ["fwl", "fwl/narrow", "fwpkm"])
+    assert [t.get_text() for t in axes[1].get_legend().get_texts()] == ["fwl", "fwl/narrow", "fwpkm"]
+    plt.close(fig)
+    for n in (3, 11, 20):
+        palette = toys_report._palette([f"m{i}" for i in range(n)])
+        assert len({tuple(c) for c in palette.values()}) == n
+
+
 def test_half_right_at_reads_the_curves_by_hand():
     import pandas as pd
 

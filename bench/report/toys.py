@@ -333,10 +333,33 @@ def _bars(groups) -> tuple[list[float], list[list[float]]]:
     return [m for m, _, _ in stats], [[m - lo for m, lo, _ in stats], [hi - m for m, _, hi in stats]]
 
 
+def _palette(order: list[str]) -> dict:
+    """A colour per model, none twice: tab10, or past 10 models tab20's ten strong hues first and
+    then their light pairs (in tab20's own order a model and the next share a hue)."""
+    import seaborn as sns
+
+    if len(order) <= 10:
+        return dict(zip(order, sns.color_palette("tab10", len(order))))
+    c = sns.color_palette("tab20", 20)
+    return dict(zip(order, [*c[0::2], *c[1::2]] * (len(order) // 20 + 1)))
+
+
+def _legend(axes, order: list[str]) -> None:
+    """One legend, outside the last panel (no point hidden), naming every model drawn in any panel
+    once, in `order`: a model drawn at one width only (``fwl/narrow``) is named too."""
+    seen: dict = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, h)
+    labels = sorted(seen, key=lambda k: order.index(k) if k in order else len(order))
+    axes[-1].legend([seen[k] for k in labels], labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+
+
 def _curves(m, order, palette, widths, path: Path) -> Path:
     """Validation accuracy (the slices' mean) against sequences trained, log x: a line per seed of
     each model (its chosen lr's training), twice chance dotted; a panel per width."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, axes = plt.subplots(1, len(widths), figsize=(4.8 * len(widths) + 1.4, 4), sharey=True, squeeze=False)
     for ax, w in zip(axes[0], widths):
@@ -354,11 +377,14 @@ def _curves(m, order, palette, widths, path: Path) -> Path:
         if chance is not None:
             ax.axhline(2 * chance, color="grey", lw=0.6, ls=":")
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))  # 5k, 10k, 20k, ...
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _count(x)))
+        ax.xaxis.set_minor_formatter(NullFormatter())  # (matplotlib's own minor labels overlap)
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("sequences trained (log scale)")
         ax.set_title(f"MQAR validation, d_model={w}")
     axes[0][0].set_ylabel("validation accuracy (mean over kv; a line per seed)")
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    _legend(axes[0], order)
     fig.tight_layout()
     return save_png(fig, path)
 
@@ -375,14 +401,13 @@ task whose controls fail is not drawn, nor a layer with fewer seeds than the bas
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import seaborn as sns
 
     df = incomplete(df)[0]
     m = df[df["setting.task"] == "mqar"]
     if m.empty or validity(df, "mqar"):
         return []
     order = layer_order(m["layer"])
-    palette = dict(zip(order, sns.color_palette("tab10" if len(order) <= 10 else "tab20", len(order))))  # no colour twice
+    palette = _palette(order)
     widths = sorted(int(w) for w in m["setting.d_model"].unique())
     names = [c[len(ACC):] for c in _slices(m)]
     kvs = [slice_order(n)[1] for n in names]  # x: the pairs (with several lengths, the labels name them)
@@ -409,7 +434,7 @@ task whose controls fail is not drawn, nor a layer with fewer seeds than the bas
         ax.set_xlabel("key-value pairs")
         ax.set_title(f"MQAR, d_model={w}")
     axes[0][0].set_ylabel("test accuracy (mean, 95% interval; x: seeds)")
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))  # outside: no point hidden
+    _legend(axes[0], order)
     fig.tight_layout()
     paths.append(save_png(fig, Path(out_dir) / "toys_mqar_capacity.png"))
 
