@@ -754,7 +754,8 @@ def test_a_layer_at_chance_points_to_its_long_budget_verdict():
                  row("mom", toys_report.LONG, 16000, 640000, acc=0.99),
                  *(row("mom", toys_report.LONG_SEEDS, left, 640000, seed=s) for s, left in enumerate([16000, None, 32000])),
                  # the same model at another lr counts with it; another model under the layer's name does not
-                 *(row("mom/lr3e-4", toys_report.LONG_SEEDS, left, 640000, seed=s, lr=3e-4) for s, left in enumerate([None, 8000])),
+                 *(row("mom/lr3e-4", toys_report.LONG_SEEDS, left, 640000, seed=s, lr=3e-4, acc=a)
+                   for s, (left, a) in enumerate([(None, 0.5), (8000, 0.9)])),
                  row("mom/wide", toys_report.LONG_SEEDS, 8000, 640000, model={"memory": {"mom": {"width": 2}}})]
     lines = toys_report.notes(run, published)
     assert lines == [
@@ -762,7 +763,8 @@ def test_a_layer_at_chance_points_to_its_long_budget_verdict():
         f"at 192k sequences (test 0.980) (leaderboards/README.md, toys — preset {toys_report.LONG})",  # the latest row
         f"lact: at chance through 16k sequences here; no long-budget check of it is published yet ({toys_report.LONG}: docs/toys.md)",
         "mom: at chance through 16k sequences here; at the recall preset's 10x budget (lrs 0.001, 0.003): left chance "
-        "at 16k sequences (test 0.990); 2 of 3 seeds left chance at lr 0.001, 1 of 2 at lr 0.0003 (leaderboards/README.md, toys — presets "
+        "at 16k sequences (test 0.990); 2 of 3 seeds left chance at lr 0.001 (test 0.030, their mean), 1 of 2 at lr 0.0003 "
+        "(test 0.700, their mean) (leaderboards/README.md, toys — presets "
         f"{toys_report.LONG} and {toys_report.LONG_SEEDS})",
     ]
 

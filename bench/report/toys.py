@@ -37,9 +37,9 @@ LONG, LONG_SEEDS = "recall-10x", "recall-10x-seeds"
 def notes(rows: list[dict], published: list[dict]) -> list[str]:
     """One line per layer that the run's MQAR rows show at chance in every seed: the budget it was
     at chance through, and the published long-budget verdict on it (the `LONG` preset's row in
-    `published`) with how many of the `LONG_SEEDS` preset's seeds left chance at each lr (the
-    layer's own lr, and that of a variant that is the same model at another lr), or that none is
-    published yet. A table at a short budget shows the budget, not the layer, until a longer
+    `published`) with how many of the `LONG_SEEDS` preset's seeds left chance at each lr, and their
+    mean test accuracy (the layer's own lr, and that of a variant that is the same model at another
+    lr), or that none is published yet. A table at a short budget shows the budget, not the layer, until a longer
     training says otherwise."""
     out = []
     mine = [r for r in rows if r["suite"] == NAME and r["setting"].get("task") == "mqar"
@@ -76,6 +76,7 @@ def notes(rows: list[dict], published: list[dict]) -> list[str]:
                     by_lr.setdefault(r["metrics"]["lr"], []).append(r)
             parts = [f"{sum(r['metrics']['left_chance_at'] is not None for r in g)} of {len(g)}"
                      + (" seeds left chance" if i == 0 else "") + f" at lr {lr:g}"
+                     + f" (test {sum(r['metrics']['accuracy'] for r in g) / len(g):.3f}, their mean)"
                      for i, (lr, g) in enumerate(sorted(by_lr.items(), key=lambda kv: -kv[0]))]
             verdict += "; " + ", ".join(parts)
             where = f"presets {LONG} and {LONG_SEEDS}"
