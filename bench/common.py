@@ -205,6 +205,12 @@ def config_hash(cfg: dict) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def published_rows() -> Path | None:
+    """leaderboards/results.jsonl of the checkout (the working directory's), if any."""
+    path = Path.cwd() / "leaderboards" / "results.jsonl"
+    return path if path.is_file() else None
+
+
 @functools.cache
 def git_sha() -> str:
     """The commit of the memzoo checkout this runs from, '+dirty' if it has local changes other

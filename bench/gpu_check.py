@@ -213,12 +213,6 @@ def read_lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.is_file() else []
 
 
-def published_rows() -> Path | None:
-    """leaderboards/results.jsonl of the checkout (the working directory's), if any."""
-    path = Path.cwd() / "leaderboards" / "results.jsonl"
-    return path if path.is_file() else None
-
-
 # ---- the summary ------------------------------------------------------------------------------
 
 

@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from memzoo.bench.common import BASELINE, Context, Recorder, check_layers, compile_cache, load_preset
+from memzoo.bench.common import (BASELINE, Context, Recorder, check_layers, compile_cache, load_preset, published_rows,
+                                  read_results)
 from memzoo.bench.report import print_notes, print_tables
 from memzoo.bench.suites import NAMES, suite
 from memzoo.config import ConfigError
@@ -179,6 +180,16 @@ def _worker(args: dict, wid: int, jobs, threads: int, queue) -> None:
         queue.put(("start", wid, i, ""))  # the bench records this job failed if the worker dies in it
         job.run(ctx)
     queue.put(("end", wid, 0, ""))
+
+
+def published_beside(out: Path) -> list[dict]:
+    """The rows a run's notes read as published: its out file's, and the checkout's leaderboard
+    (`published_rows`) where the run wrote elsewhere (``--out``), so that a run in a folder of its
+    own still finds the published long-budget verdicts."""
+    rows = read_results(out)
+    if (pub := published_rows()) is not None and pub.resolve() != Path(out).resolve():
+        rows += read_results(pub)
+    return rows
 
 
 def run_bench(
@@ -360,7 +371,7 @@ def run_bench(
     print(f"\nmemzoo bench: {len(rec.rows) - len(failed)} rows in {time.time() - t0:.0f} s -> {rec.path}\n")
     shown = _with_recorded(rec, names, todo) if resume else rec.rows
     print_tables(shown)
-    print_notes(shown, read_results(rec.path), todo)
+    print_notes(shown, published_beside(rec.path), todo)
     for r in failed:
         print(f"memzoo bench: FAILED {r['setting']['suite']} {r['layer']} {' '.join(map(str, r['setting']['part'] or []))}: "
               f"{r['metrics']['error']} (traceback: {r['metrics']['log']})", file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -791,3 +792,20 @@ def test_the_fwpkm_profile_lists_the_top_operations(tmp_path):
     assert "## torch path: " in text and "kernels on" not in text  # the Triton kernels are profiled on CUDA
     shares = [float(ln.rsplit("|", 2)[-2].strip(" %")) for ln in text.splitlines() if ln.startswith("| `")]
     assert 5 <= len(shares) <= 15 and shares == sorted(shares, reverse=True) and sum(shares) <= 100.5
+
+
+def test_a_runs_notes_read_the_checkouts_leaderboard_beside_its_own_out(tmp_path, monkeypatch):
+    from memzoo.bench.run import published_beside
+
+    row = lambda layer: json.dumps({"suite": "toys", "layer": layer, "preset": "recall", "setting": {}, "seed": 0,  # noqa: E731
+                                    "metrics": {}, "config_hash": "0", "run_id": "r", "time": "t"}) + "\n"
+    (tmp_path / "leaderboards").mkdir()
+    (tmp_path / "leaderboards" / "results.jsonl").write_text(row("published"))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "results.jsonl").write_text(row("mine"))
+    monkeypatch.chdir(tmp_path)
+    assert [r["layer"] for r in published_beside(tmp_path / "mine" / "results.jsonl")] == ["mine", "published"]
+    # the run wrote into the leaderboard itself: read once
+    assert [r["layer"] for r in published_beside(Path("leaderboards/results.jsonl"))] == ["published"]
+    monkeypatch.chdir(tmp_path / "mine")  # no leaderboard under the working directory: the out file alone
+    assert [r["layer"] for r in published_beside(tmp_path / "mine" / "results.jsonl")] == ["mine"]
