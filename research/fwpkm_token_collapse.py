@@ -1,4 +1,4 @@
-"""Why the recall preset's ``fwpkm/token`` cell reaches ~0.93 in 100 steps and then falls apart.
+"""Why the recall preset's ``fwpkm/token`` cell recalls within its first steps and then wears down.
 Finding: docs/toys.md, "Why fwpkm/token collapses".
 
 The recall preset's cell (zoo_configs/bench/recall.yaml: FwPKM in block 0 before the mixer, a

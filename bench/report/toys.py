@@ -39,8 +39,8 @@ def notes(rows: list[dict], published: list[dict]) -> list[str]:
     at chance through, and the published long-budget verdict on it (the `LONG` preset's row in
     `published`) with how many of the `LONG_SEEDS` preset's seeds left chance at each lr, and their
     mean test accuracy (the layer's own lr, and that of a variant that is the same model at another
-    lr), or that none is published yet. A table at a short budget shows the budget, not the layer, until a longer
-    training says otherwise."""
+    lr), or that none is published yet. A table at a short budget shows the budget, not the layer,
+    until a longer training says otherwise."""
     out = []
     mine = [r for r in rows if r["suite"] == NAME and r["setting"].get("task") == "mqar"
             and r["preset"] not in (LONG, LONG_SEEDS)
@@ -67,13 +67,13 @@ def notes(rows: list[dict], published: list[dict]) -> list[str]:
         lrs = ", ".join(m["val_by_lr"])
         where = f"preset {LONG}"
         # the layer's seeds, and those of its variants that are the same model at another lr (`lact/lr3.3e-4`)
-        same = [v for name, v in seeds.items() if name == layer or (name.startswith(layer + "/") and model(ref)
-                                                                    and all(model(r) == model(ref) for r in v.values()))]
-        if same:
-            by_lr = {}
-            for v in same:
+        by_lr: dict = {}
+        for name, v in seeds.items():
+            if name == layer or (name.startswith(layer + "/") and model(ref) is not None
+                                 and all(model(r) == model(ref) for r in v.values())):
                 for r in v.values():
                     by_lr.setdefault(r["metrics"]["lr"], []).append(r)
+        if by_lr:
             parts = [f"{sum(r['metrics']['left_chance_at'] is not None for r in g)} of {len(g)}"
                      + (" seeds left chance" if i == 0 else "") + f" at lr {lr:g}"
                      + f" (test {sum(r['metrics']['accuracy'] for r in g) / len(g):.3f}, their mean)"
@@ -335,8 +335,8 @@ def _bars(groups) -> tuple[list[float], list[list[float]]]:
 
 
 def _palette(order: list[str]) -> dict:
-    """A colour per model, none twice: tab10, or past 10 models tab20's ten strong hues first and
-    then their light pairs (in tab20's own order a model and the next share a hue)."""
+    """A colour per model, none twice up to 20 models: tab10, or past 10 tab20's ten strong hues
+    first and then their light pairs (in tab20's own order a model and the next share a hue)."""
     import seaborn as sns
 
     if len(order) <= 10:

@@ -27,9 +27,9 @@ block, before its mixer) and recalls. FwMLP recalls only with all three of the t
 release's gradient clamp and a 10x fast step (``fwmlp/token``). LaCT's one step per 8-token chunk
 moves its fast weights ~1e-4 of a read, so it learns the pairs slowly: at a small lr and beyond the
 recall preset's budget (``recall-10x-seeds``). ``fwpkm/token`` peaks early and then wears down (its
-addressing loss moves the sub-keys it wrote under); a row reads the peak. FWL's features (width and hidden) outnumber the 32 key tokens
-at width 64, so it holds every pair; its curve falls at a narrow state (``fwl/narrow``, width 8). The
-measurements: docs/toys.md.
+addressing loss moves the sub-keys it wrote under); a row reads the peak. FWL's features (width and
+hidden) outnumber the 32 key tokens at width 64, so it holds every pair; its curve falls at a narrow
+state (``fwl/narrow``, width 8). The measurements: docs/toys.md.
 
 Protocol, per cell (layer, task, width, seed):
 
