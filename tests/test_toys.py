@@ -742,15 +742,19 @@ def test_a_stopped_cell_continues_from_its_checkpoint(tmp_path, monkeypatch):
 
 
 def test_a_layer_at_chance_points_to_its_long_budget_verdict():
-    def row(layer, preset, left, seqs, t="2026-11-28T00:00:00Z", acc=0.03, seed=0, lr=0.001, model=None):
+    def row(layer, preset, left, seqs, t="2026-11-28T00:00:00Z", acc=0.03, seed=0, lr=0.001, model=None, **more):
         return {"suite": "toys", "preset": preset, "layer": layer, "seed": seed, "setting": {"task": "mqar", "d_model": 64},
                 "time": t, "run_id": t, "config": {"model": model or {"memory": {layer.split("/")[0]: {}}}},
                 "metrics": {"left_chance_at": left, "sequences": seqs, "accuracy": acc,
-                            "val_by_lr": {"0.001": 0.5, "0.003": 0.03}, "lr": lr}}
+                            "val_by_lr": {"0.001": 0.5, "0.003": 0.03}, "lr": lr, **more}}
 
+    pkm = row("pkm", "tiny", None, 16000, mem_state=0)
+    pkm["setting"]["route"] = "memory"  # no fast weights on the memory-only route: a control by construction
     run = [row("fwpkm", "tiny", None, 16000), row("lact", "tiny", None, 16000), row("linear", "tiny", 3200, 16000),
-           row("mom", "tiny", None, 16000), row(BASELINE, "tiny", None, 16000), row(toys_report.NEGATIVE, "tiny", None, 16000)]
+           row("mom", "tiny", None, 16000), row("fwmlp", "tiny", None, 16000), pkm,
+           row(BASELINE, "tiny", None, 16000), row(toys_report.NEGATIVE, "tiny", None, 16000)]
     published = [row("fwpkm", toys_report.LONG, None, 640000), row("fwpkm", toys_report.LONG, 192000, 640000, "2026-11-29T00:00:00Z", 0.98),
+                 row("fwmlp", toys_report.LONG, None, 99200, stop="diverged"),
                  row("mom", toys_report.LONG, 16000, 640000, acc=0.99),
                  *(row("mom", toys_report.LONG_SEEDS, left, 640000, seed=s) for s, left in enumerate([16000, None, 32000])),
                  # the same model at another lr counts with it; another model under the layer's name does not
@@ -759,6 +763,8 @@ def test_a_layer_at_chance_points_to_its_long_budget_verdict():
                  row("mom/wide", toys_report.LONG_SEEDS, 8000, 640000, model={"memory": {"mom": {"width": 2}}})]
     lines = toys_report.notes(run, published)
     assert lines == [
+        "fwmlp: at chance through 16k sequences here; at the recall preset's 10x budget (lrs 0.001, 0.003): at chance "
+        f"through 99.2k sequences, where its training diverged (leaderboards/README.md, toys — preset {toys_report.LONG})",
         "fwpkm: at chance through 16k sequences here; at the recall preset's 10x budget (lrs 0.001, 0.003): left chance "
         f"at 192k sequences (test 0.980) (leaderboards/README.md, toys — preset {toys_report.LONG})",  # the latest row
         f"lact: at chance through 16k sequences here; no long-budget check of it is published yet ({toys_report.LONG}: docs/toys.md)",
@@ -766,6 +772,8 @@ def test_a_layer_at_chance_points_to_its_long_budget_verdict():
         "at 16k sequences (test 0.990); 2 of 3 seeds left chance at lr 0.001 (test 0.030, their mean), 1 of 2 at lr 0.0003 "
         "(test 0.700, their mean) (leaderboards/README.md, toys — presets "
         f"{toys_report.LONG} and {toys_report.LONG_SEEDS})",
+        "pkm: at chance through 16k sequences here; it has no fast weights, so with the memory the only route it is a "
+        "negative control by construction, not a verdict a longer budget could change",
     ]
 
 

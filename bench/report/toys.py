@@ -39,8 +39,9 @@ def notes(rows: list[dict], published: list[dict]) -> list[str]:
     at chance through, and the published long-budget verdict on it (the `LONG` preset's row in
     `published`) with how many of the `LONG_SEEDS` preset's seeds left chance at each lr, and their
     mean test accuracy (the layer's own lr, and that of a variant that is the same model at another
-    lr), or that none is published yet. A table at a short budget shows the budget, not the layer,
-    until a longer training says otherwise."""
+    lr), or that none is published yet; a layer without fast weights on the memory-only route is a
+    negative control by construction, and says so. A table at a short budget shows the budget, not
+    the layer, until a longer training says otherwise."""
     out = []
     mine = [r for r in rows if r["suite"] == NAME and r["setting"].get("task") == "mqar"
             and r["preset"] not in (LONG, LONG_SEEDS)
@@ -57,13 +58,18 @@ def notes(rows: list[dict], published: list[dict]) -> list[str]:
         if any(r["metrics"]["left_chance_at"] is not None for r in g):
             continue
         line = f"{layer}: at chance through {_count(max(r['metrics']['sequences'] for r in g))} sequences here"
+        if all(r["setting"].get("route") == "memory" and r["metrics"].get("mem_state") == 0 for r in g):
+            out.append(f"{line}; it has no fast weights, so with the memory the only route it is a negative control "
+                       "by construction, not a verdict a longer budget could change")
+            continue
         ref = long.get(layer)
         if ref is None:
             out.append(f"{line}; no long-budget check of it is published yet ({LONG}: docs/toys.md)")
             continue
         m = ref["metrics"]
         verdict = (f"left chance at {_count(m['left_chance_at'])} sequences (test {m['accuracy']:.3f})"
-                   if m["left_chance_at"] is not None else f"at chance through {_count(m['sequences'])} sequences")
+                   if m["left_chance_at"] is not None else f"at chance through {_count(m['sequences'])} sequences"
+                   + (", where its training diverged" if m.get("stop") == "diverged" else ""))
         lrs = ", ".join(m["val_by_lr"])
         where = f"preset {LONG}"
         # the layer's seeds, and those of its variants that are the same model at another lr (`lact/lr3.3e-4`)
