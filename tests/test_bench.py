@@ -297,6 +297,25 @@ def test_leaderboard_renders_byte_for_byte(micro, tmp_path):
     assert "## ppl" in readme and "| fwpkm" in readme and "| baseline" in readme
 
 
+def test_ppl_figures_of_several_seeds_draw_the_same_bytes_every_time(tmp_path):
+    """With several training seeds a bar is their mean with a bootstrap interval: its resampling
+    is seeded, so the same rows draw the same figure whatever the global random state."""
+    import numpy as np
+    import pandas as pd
+
+    df = pd.DataFrame([{"layer": layer, "seed": seed, "setting.corpus": corpus, "setting.mode": mode,
+                        "metrics.loss": 1.5 + 0.1 * seed + (layer == "fwpkm") * 0.05 * (mode == "carry"),
+                        "metrics.gate_hist.mem": [0.5 - 0.1 * seed, 0.5 + 0.1 * seed]}
+                       for layer in (BASELINE, "fwpkm") for seed in range(3) for corpus in ("shakespeare", "sonnets")
+                       for mode in ("carry", "reset")])
+    drawn = []
+    for state in (1, 2):
+        np.random.seed(state)
+        paths = ppl_report.figures(df, tmp_path / str(state))
+        drawn.append({p.name: p.read_bytes() for p in paths})
+    assert set(drawn[0]) == {"ppl.png", "ppl_gates.png"} and drawn[0] == drawn[1]
+
+
 def test_inspect_prints_gates_and_trace(micro, tmp_path):
     from memzoo.bench.lm import lm_config, shared_lm
     from memzoo.inspection import inspect_text

@@ -241,7 +241,8 @@ def figures(df, out_dir: Path) -> list[Path]:
         fig, axes = plt.subplots(len(rows), 1, figsize=(6, 2.2 * len(rows)), squeeze=False)
         for ax, (layer, mem) in zip(axes[:, 0], rows):
             sub = d[(d["layer"] == layer) & (d["memory"] == mem)]
-            sns.barplot(data=sub, x="gate", y="fraction", hue="corpus", ax=ax, hue_order=sorted(sub["corpus"].unique()))
+            sns.barplot(data=sub, x="gate", y="fraction", hue="corpus", ax=ax, hue_order=sorted(sub["corpus"].unique()),
+                        seed=0)  # the error bars' bootstrap over seeds: the same rows draw the same bytes
             ax.set_title(f"{layer} {mem}: gate values (carried evaluation)")
             ax.set_xticks(range(len(sub["gate"].unique())))
             ax.set_xticklabels([f"{v:.2f}" for v in sorted(sub["gate"].unique())], fontsize=7)
@@ -249,7 +250,7 @@ def figures(df, out_dir: Path) -> list[Path]:
         paths.append(save_png(fig, out_dir / "ppl_gates.png"))
     fig, ax = plt.subplots(figsize=(7, 3.5))
     d = df.assign(setting=df["setting.corpus"] + " " + df["setting.mode"]).sort_values(["layer", "setting"])
-    sns.barplot(data=d, x="layer", y="metrics.loss", hue="setting", order=layer_order(d["layer"]), ax=ax)
+    sns.barplot(data=d, x="layer", y="metrics.loss", hue="setting", order=layer_order(d["layer"]), ax=ax, seed=0)
     ax.set_ylabel("loss (nats/token)")
     ax.set_ylim(d["metrics.loss"].min() * 0.95, d["metrics.loss"].max() * 1.02)
     ax.tick_params(axis="x", labelsize=8)
