@@ -10,10 +10,14 @@ the bench's one bar.
 
 A task whose worker process or node dies is retried once (Ray's `max_retries`); dying again, it is
 recorded failed as the pool records a cell whose worker died, and `--resume` measures it again.
-Ctrl-C cancels every task and waits (briefly) for the cluster to end them before the driver leaves;
-the rows already appended stay whole (the driver defers the interrupt while it writes one, or
-submits a task). The timed suites (cost) run on the driver's machine, alone, before any task
-starts, as with the pool: a timing taken beside a neighbour measures the neighbour.
+Ctrl-C ends the run's Ray job: the driver disconnects and Ray ends every task the driver owns, on
+every node (a task shares its owner's fate); the rows already appended stay whole (the driver defers
+the interrupt while it writes one). A caller that connected to Ray itself (`ray.init` before
+`run_jobs`) keeps its connection, and its `ray.shutdown()` ends the tasks. The driver does not
+`ray.cancel` them: Ray's force-cancel races the reply of the task it kills, and the driver's core
+worker may die on an internal check (docs/bench.md, "Ctrl-C under Ray"). The timed suites (cost)
+run on the driver's machine, alone, before any task starts, as with the pool: a timing taken beside
+a neighbour measures the neighbour.
 
 Ray is imported here only, so only with `--engine ray`: ``pip install 'memzoo[ray]'``. A task's
 work dir (its LM cache, its cell checkpoints, the compile cache) is the run's `--work-dir` on the node
@@ -36,9 +40,6 @@ INSTALL = "pip install 'memzoo[ray]'"
 #: 64-256, batch 32) uses a small part of a GPU, so eight run side by side; an LM job gets half
 GPU_SHARE = {"toys": 0.125}
 GPU_SHARE_DEFAULT = 0.5
-
-#: seconds the driver waits, after Ctrl-C, for the cluster to end the tasks it cancelled
-CANCEL_WAIT_S = 30
 
 #: seconds between a task's progress reports (the bar needs no more, and each is a remote call)
 REPORT_EVERY_S = 0.5
@@ -145,9 +146,9 @@ def run_jobs(ctx, jobs: list, address: str | None, max_tasks: int | None, bar) -
         ray.init(address=address, log_to_driver=False, include_dashboard=False, logging_level=logging.ERROR)
     try:
         _run(ray, ctx, jobs, max_tasks, bar)
-    except BaseException:  # the driver leaves anyway: a failing shutdown must not hide why
+    except BaseException:  # Ctrl-C, or the driver failing: the job ends, and with it its tasks
         if started:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # a failing shutdown must not hide why the driver leaves
                 ray.shutdown()
         raise
     if started:
@@ -179,10 +180,9 @@ def _run(ray, ctx, jobs, max_tasks, bar) -> None:
         while todo and (max_tasks is None or len(running) < max_tasks):
             i, job = todo.pop(0)
             opts = resources(job.suites[0], ctx.device)
-            with _no_interrupt():  # a task submitted is one Ctrl-C cancels
-                ref = task.options(**opts).remote(i, job, ctx.preset, ctx.seed, rec.run_id, str(ctx.work_dir),
-                                                  ctx.device, ctx.resume, done, plugins, progress)
-                running[ref] = i
+            ref = task.options(**opts).remote(i, job, ctx.preset, ctx.seed, rec.run_id, str(ctx.work_dir),
+                                              ctx.device, ctx.resume, done, plugins, progress)
+            running[ref] = i
 
     def show(items: list[tuple]) -> None:
         for i, n, what in items:
@@ -198,35 +198,25 @@ def _run(ray, ctx, jobs, max_tasks, bar) -> None:
         bar.set_postfix_str(f"{len(started)} running, {len(running) - len(started)} waiting"
                             + (f"; {now[-1]}" if now else ""), refresh=False)
 
-    try:
-        submit()
-        while running:
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=REPORT_EVERY_S)
-            show(ray.get(progress.take.remote()))
-            for ref in ready:
-                i = running.pop(ref)
-                started.discard(i)
-                job = jobs[i]
-                try:
-                    rows = ray.get(ref)
-                except ray.exceptions.RayError as e:  # the worker or node died on both tries
-                    why = " ".join(str(e).split())[:200]
-                    with _no_interrupt():
-                        ctx.fail(job.suites[0], job.layer, job.part,
-                                 RuntimeError(f"the Ray task running it died twice ({type(e).__name__}: {why})"))
-                    continue
-                with _no_interrupt():
-                    for row in rows:
-                        rec.append(row)
-                doing.pop(i, None)
-            submit()
+    submit()
+    while running:
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=REPORT_EVERY_S)
         show(ray.get(progress.take.remote()))
-    except BaseException:  # Ctrl-C, or the driver failing: no task goes on measuring
-        for ref in running:
-            with contextlib.suppress(Exception):  # one that ended meanwhile
-                ray.cancel(ref, force=True)
-        # the cancels done before the driver disconnects: none is still being handed to a worker
-        if running:
-            with contextlib.suppress(Exception):
-                ray.wait(list(running), num_returns=len(running), timeout=CANCEL_WAIT_S)
-        raise
+        for ref in ready:
+            i = running.pop(ref)
+            started.discard(i)
+            job = jobs[i]
+            try:
+                rows = ray.get(ref)
+            except ray.exceptions.RayError as e:  # the worker or node died on both tries
+                why = " ".join(str(e).split())[:200]
+                with _no_interrupt():
+                    ctx.fail(job.suites[0], job.layer, job.part,
+                             RuntimeError(f"the Ray task running it died twice ({type(e).__name__}: {why})"))
+                continue
+            with _no_interrupt():
+                for row in rows:
+                    rec.append(row)
+            doing.pop(i, None)
+        submit()
+    show(ray.get(progress.take.remote()))
