@@ -43,7 +43,9 @@ def losses(out: Path) -> list[float]:
 
 
 def torchrun(cfg: Path, out: Path, *args: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank that crashes in native code prints its Python stack (one rank died on
+    # SIGSEGV once in a CI run, not reproduced since: docs/bench.md, "Several processes")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "memzoo.train",
            str(cfg), "--out", str(out), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
