@@ -17,8 +17,10 @@ independent of the others (same seeds, same data), only wall times and throughpu
 neighbour. The workers share one torch.compile cache, kept in the work dir for the next run (`compile_cache`).
 
 Progress is one bar over all workers, in units of work known before the first starts: training
-steps (the toys' and the shared LMs'), evaluated cells (ppl's corpus and mode, NIAH's samples)
-and measured models (cost); with an ETA and, after it, what each worker is doing.
+steps (the toys' and the shared LMs') and evaluated cells (ppl's corpus and mode, NIAH's samples);
+with an ETA and, after it, what each worker is doing. The models the cost suite times, alone and
+first, have a bar of their own before it (a model timed is a minute's work, not a step's: on one
+bar its rate would set the ETA).
 """
 
 from __future__ import annotations
@@ -297,7 +299,10 @@ def run_bench(
           + (f" for {workers} workers" if workers > 1 else "") + (" as Ray tasks" if engine == "ray" else "")
           + f"; {total} units of work (training steps, evaluated cells, measured models)")
     t0 = time.time()
-    bar = tqdm(total=total, desc="bench", unit="unit", smoothing=0, dynamic_ncols=True, disable=not progress)
+    # the jobs timed alone count models on a bar of their own (the module docstring)
+    timed = work_units(ctx, names, [s for s in todo if s in ALONE]) if alone else 0
+    bar = tqdm(total=timed or total, desc="timed alone" if timed else "bench", unit="model" if timed else "unit",
+               smoothing=0, dynamic_ncols=True, disable=not progress)
     doing = [""] * workers
 
     def show(wid: int, units: int, what: str) -> None:
@@ -310,6 +315,11 @@ def run_bench(
     ctx.on_work = lambda units, what: show(0, units, what)
     for job in alone:  # before any worker starts: nothing else runs while these are timed
         job.run(ctx)
+    if timed:
+        bar.close()
+        bar = tqdm(total=total - timed, desc="bench", unit="unit", smoothing=0, dynamic_ncols=True,
+                   disable=not progress or not queued)
+        doing[0] = ""
     if engine == "ray" and queued:
         from memzoo.bench.common import read_results
         from memzoo.bench.ray_engine import run_jobs

@@ -828,3 +828,31 @@ def test_a_runs_notes_read_the_checkouts_leaderboard_beside_its_own_out(tmp_path
     assert [r["layer"] for r in published_beside(Path("leaderboards/results.jsonl"))] == ["published"]
     monkeypatch.chdir(tmp_path / "mine")  # no leaderboard under the working directory: the out file alone
     assert [r["layer"] for r in published_beside(tmp_path / "mine" / "results.jsonl")] == ["mine"]
+
+
+def test_the_jobs_timed_alone_have_a_bar_of_their_own(tmp_path, capsys):
+    """A model timed by the cost suite is a minute's work, a unit of the rest a training step's: on one
+    bar the first minutes' rate made its time left read hundreds of hours. The cost jobs get a bar
+    counting models; the bench's bar, made after them, counts the other units and ends full."""
+    import re
+
+    from memzoo.bench.run import run_bench
+
+    from test_toys import MICRO as TOYS
+
+    micro = tmp_path / "micro.yaml"
+    micro.write_text(yaml.safe_dump({**MICRO, "toys": {**TOYS, "tasks": ["mqar"], "widths": [16], "seeds": 1,
+                                                       "lrs": [1e-2]},
+                                      "cost": {"warmup": 1, "steps": 1, "rounds": 1}}))
+    rows = run_bench("linear", "cost,toys", str(micro), out=tmp_path / "out", work_dir=tmp_path / "work", jobs=1)
+    assert not [r for r in rows if r["suite"] == "failed"]
+    lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
+
+    def counts(desc: str) -> list[tuple[int, int]]:
+        return [tuple(map(int, m.groups())) for ln in lines if ln.startswith(desc + ":")
+                for m in [re.search(r"\| *(\d+)/(\d+) \[", ln)] if m]
+
+    timed, bench = counts("timed alone"), counts("bench")
+    assert timed[-1] == (2, 2) and {t for _, t in timed} == {2}  # the baseline's model and linear's
+    assert bench and bench[-1][0] == bench[-1][1] and len({t for _, t in bench}) == 1  # ends full: none of the cost's
+    assert not [ln for ln in lines if ln.startswith("bench:") and "cost" in ln]

@@ -205,7 +205,7 @@ def test_a_node_killed_mid_run_its_cell_runs_again_on_another(shared, tmp_path, 
         c.shutdown()
 
 
-def test_ctrl_c_cancels_the_tasks_and_leaves_the_results_whole(cluster, shared, tmp_path):
+def test_ctrl_c_ends_the_tasks_and_leaves_the_results_whole(cluster, shared, tmp_path):
     """SIGINT to a bench whose cell is training on the cluster: the bench exits 130 saying
     --resume continues, the task's process is gone, and results.jsonl holds whole rows only."""
     import signal
@@ -236,7 +236,7 @@ def test_ctrl_c_cancels_the_tasks_and_leaves_the_results_whole(cluster, shared, 
     deadline = time.time() + 60
     while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
         time.sleep(0.5)
-    assert not os.path.exists(f"/proc/{pid}")  # the task was cancelled, not left sleeping
+    assert not os.path.exists(f"/proc/{pid}")  # the task ended with its job, not left sleeping
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a torn last line would warn
         rows = read_results(tmp_path / "out" / "results.jsonl")
