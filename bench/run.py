@@ -304,10 +304,11 @@ def run_bench(
     bar = tqdm(total=timed or total, desc="timed alone" if timed else "bench", unit="model" if timed else "unit",
                smoothing=0, dynamic_ncols=True, disable=not progress)
     doing = [""] * workers
+    lanes = 1 if timed else workers  # what runs now is shown per worker once the workers run
 
     def show(wid: int, units: int, what: str) -> None:
         doing[wid] = what
-        bar.set_postfix_str(" | ".join(f"{i + 1}: {d}" if workers > 1 else d for i, d in enumerate(doing)),
+        bar.set_postfix_str(" | ".join(f"{i + 1}: {d}" if lanes > 1 else d for i, d in enumerate(doing[:lanes])),
                             refresh=False)
         bar.update(units)
 
@@ -319,7 +320,7 @@ def run_bench(
         bar.close()
         bar = tqdm(total=total - timed, desc="bench", unit="unit", smoothing=0, dynamic_ncols=True,
                    disable=not progress or not queued)
-        doing[0] = ""
+        doing[0], lanes = "", workers
     if engine == "ray" and queued:
         from memzoo.bench.common import read_results
         from memzoo.bench.ray_engine import run_jobs

@@ -844,7 +844,7 @@ def test_the_jobs_timed_alone_have_a_bar_of_their_own(tmp_path, capsys):
     micro.write_text(yaml.safe_dump({**MICRO, "toys": {**TOYS, "tasks": ["mqar"], "widths": [16], "seeds": 1,
                                                        "lrs": [1e-2]},
                                       "cost": {"warmup": 1, "steps": 1, "rounds": 1}}))
-    rows = run_bench("linear", "cost,toys", str(micro), out=tmp_path / "out", work_dir=tmp_path / "work", jobs=1)
+    rows = run_bench("linear", "cost,toys", str(micro), out=tmp_path / "out", work_dir=tmp_path / "work", jobs=2)
     assert not [r for r in rows if r["suite"] == "failed"]
     lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
 
@@ -856,3 +856,4 @@ def test_the_jobs_timed_alone_have_a_bar_of_their_own(tmp_path, capsys):
     assert timed[-1] == (2, 2) and {t for _, t in timed} == {2}  # the baseline's model and linear's
     assert bench and bench[-1][0] == bench[-1][1] and len({t for _, t in bench}) == 1  # ends full: none of the cost's
     assert not [ln for ln in lines if ln.startswith("bench:") and "cost" in ln]
+    assert [ln for ln in lines if ln.startswith("timed alone:") and "cost linear]" in ln]  # one runs: no "1: ... | 2: "
