@@ -19,7 +19,7 @@ neighbour. The workers share one torch.compile cache, kept in the work dir for t
 Progress is one bar over all workers, in units of work known before the first starts: training
 steps (the toys' and the shared LMs') and evaluated cells (ppl's corpus and mode, NIAH's samples);
 with an ETA and, after it, what each worker is doing. The models the cost suite times, alone and
-first, have a bar of their own before it (a model timed is a minute's work, not a step's: on one
+first, have a bar of their own before it (a model timed takes many training steps' time: on one
 bar its rate would set the ETA).
 """
 

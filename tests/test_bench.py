@@ -831,8 +831,8 @@ def test_a_runs_notes_read_the_checkouts_leaderboard_beside_its_own_out(tmp_path
 
 
 def test_the_jobs_timed_alone_have_a_bar_of_their_own(tmp_path, capsys):
-    """A model timed by the cost suite is a minute's work, a unit of the rest a training step's: on one
-    bar the first minutes' rate made its time left read hundreds of hours. The cost jobs get a bar
+    """A model timed by the cost suite takes many training steps' time, a unit of the rest one step's:
+    on one bar the first minutes' rate set its time left far too long. The cost jobs get a bar
     counting models; the bench's bar, made after them, counts the other units and ends full."""
     import re
 
