@@ -299,10 +299,12 @@ def run_bench(
           + (f" for {workers} workers" if workers > 1 else "") + (" as Ray tasks" if engine == "ray" else "")
           + f"; {total} units of work (training steps, evaluated cells, measured models)")
     t0 = time.time()
+    def new_bar(units: int, desc: str, unit: str, shown: bool = True):
+        return tqdm(total=units, desc=desc, unit=unit, smoothing=0, dynamic_ncols=True, disable=not (progress and shown))
+
     # the jobs timed alone count models on a bar of their own (the module docstring)
     timed = work_units(ctx, names, [s for s in todo if s in ALONE]) if alone else 0
-    bar = tqdm(total=timed or total, desc="timed alone" if timed else "bench", unit="model" if timed else "unit",
-               smoothing=0, dynamic_ncols=True, disable=not progress)
+    bar = new_bar(timed, "timed alone", "model") if timed else new_bar(total, "bench", "unit")
     doing = [""] * workers
     lanes = 1 if timed else workers  # what runs now is shown per worker once the workers run
 
@@ -318,8 +320,7 @@ def run_bench(
         job.run(ctx)
     if timed:
         bar.close()
-        bar = tqdm(total=total - timed, desc="bench", unit="unit", smoothing=0, dynamic_ncols=True,
-                   disable=not progress or not queued)
+        bar = new_bar(total - timed, "bench", "unit", shown=bool(queued))
         doing[0], lanes = "", workers
     if engine == "ray" and queued:
         from memzoo.bench.common import read_results
