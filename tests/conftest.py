@@ -11,6 +11,7 @@ not (the layer classes carry nothing test-only). Every key is optional:
                together with x when streaming.
   grad_exempt  fnmatch patterns of parameter names that may get an all-zero gradient from one
                forward (say why).
+  train_steps  steps of the memorization property's brief training (200; say why a layer needs more).
 
 A layer without an entry (a user's plugin layer) is tested with its constructor defaults and
 `iterative=False`. A plugin supplies its own entries with a module-level dict in the module
@@ -96,6 +97,18 @@ LAYER_TESTS: dict[str, dict] = {
         "iterative": False,
     },
     "mom": {"options": dict(num_memories=4, topk=2, num_heads=2, head_dim=16, conv_size=4)},
+    # the delta-rule memories: 2 heads of 16; the chunked ops at chunks of 4 run several chunks in the
+    # suite's 24- and 48-token sequences
+    # iterative: each write is an SGD step on ½‖Sᵀk − v‖², so writing the pairs again corrects what is left
+    "deltanet": {"options": dict(num_heads=2, head_dim=16), "iterative": True},
+    # silu output gate W_g x (no bias): the memorization property's queries are zero-mean random keys, so
+    # the gate's sign is random per query until W_g learns gates that grow with |x| (200 steps: recall
+    # 0.13, 600: 0.51; without the gate 0.97 in 200)
+    "gated_deltanet": {"options": dict(num_heads=2, head_dim=16), "train_steps": 600},
+    "deltaproduct": {"options": dict(num_heads=2, head_dim=16, num_householder=2, forget_gate=True),
+                     "train_steps": 600},  # the forget gate brings Gated DeltaNet's output gate (above)
+    "kda": {"options": dict(num_heads=2, head_dim=16), "iterative": True},  # (as DeltaNet)
+    "rwkv7": {"options": dict(num_heads=2, head_dim=16)},
     "pkm": {
         # 64 slots; rmsnorm queries, so forward is per token and streams
         "options": dict(key_dim=16, value_dim=16, heads=2, topk=4, n_subkeys=8, query_norm="rmsnorm"),
@@ -108,7 +121,7 @@ def layer_test(name: str) -> dict:
     defines it, over the defaults (no options, not iterative, no targets, no exemptions)."""
     cls = get_layer(name)
     hook = getattr(sys.modules.get(cls.__module__), "MEMZOO_TESTS", {})
-    entry = {"options": {}, "iterative": False, "targets": None, "grad_exempt": ()}
+    entry = {"options": {}, "iterative": False, "targets": None, "grad_exempt": (), "train_steps": 200}
     entry.update(LAYER_TESTS.get(cls.name, {}))
     entry.update(hook.get(cls.name, {}))
     return {**entry, "options": dict(entry["options"])}

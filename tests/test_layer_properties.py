@@ -408,7 +408,6 @@ def test_fast_weights_are_not_slow_parameters(name):
 
 # ---- 3. memorization ------------------------------------------------------------------------
 N_PAIRS = 8
-TRAIN_STEPS = 200
 TRAIN_BATCH = 32
 
 
@@ -461,7 +460,7 @@ def test_memorization(name):
     gen = torch.Generator().manual_seed(0)
     opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
     b_train = TRAIN_BATCH if layer.per_sequence else 8
-    for _ in range(TRAIN_STEPS):
+    for _ in range(layer_test(name)["train_steps"]):
         x_write, x_query, vals = make_pairs(layer, b_train, gen)
         out = recall(layer, x_write, x_query)
         loss = F.mse_loss(out[..., D // 2 :], vals)

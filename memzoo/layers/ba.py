@@ -289,6 +289,8 @@ class BaFastWeights(MemoryLayer):
         w_init: W is initialised to w_init · I (0.05 in the paper).
     """
 
+    family = "hebbian"
+
     chunk_size = None
     per_sequence = True
     #: the layer normalises its own input (module docstring), so the block passes the raw residual

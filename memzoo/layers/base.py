@@ -55,6 +55,8 @@ Where it sits in a backbone block and what the block hands it (memzoo/backbone/m
 - ``aux_loss``: an auxiliary training loss of the last forward (MoM's load balancing),
   already weighted; set by forward, added to the LM loss by HybridLM.
 
+- ``family``: the family of the write rule, a key of FAMILIES (the leaderboard's column).
+
 What the bench and the cost counter need to know (memzoo/bench, memzoo/flops.py):
 
 - ``bench_cost``: relative CPU cost of the layer's bench runs (the plain backbone is 1.0),
@@ -125,6 +127,14 @@ State = dict[str, Tensor]
 #: where a block can run a memory layer, in the order it runs them (MemoryLayer.site)
 SITES = ("before_mixer", "after_mixer", "ffn", "after_ffn")
 
+#: how a layer writes its fast weights (MemoryLayer.family), the leaderboard's "family" column
+FAMILIES = {
+    "hebbian": "Hebbian outer product",                    # S += k vᵀ (linear attention, Ba)
+    "delta": "delta rule",                                 # S += β k (v − Sᵀk)ᵀ and its gated / DPLR kin
+    "regression": "gradient steps on a regression loss",   # a small network trained on the sequence
+    "slots": "sparse slots",                               # a few of many key-value rows read and written
+}
+
 
 class MemoryLayer(nn.Module):
     #: registry name, set by @register_layer
@@ -155,6 +165,8 @@ class MemoryLayer(nn.Module):
     bench_cost: ClassVar[float] = 1.5
     #: slow parameters a token reads only a few rows of (PKM's values); Table 2's FLOPs omit them
     sparse_params: ClassVar[tuple[str, ...]] = ()
+    #: the family of its write rule, a key of FAMILIES ("" = none given: a user's layer may leave it)
+    family: ClassVar[str] = ""
 
     def __init__(self, d_model: int):
         super().__init__()

@@ -124,6 +124,8 @@ class FWL(MemoryLayer):
         eps: LayerNorm epsilon.
     """
 
+    family = "regression"
+
     per_sequence = True
     needs_targets: ClassVar[bool] = True
     #: forward also takes `head`: y [B, T, D] -> LM logits [B, T, V] (position-wise)

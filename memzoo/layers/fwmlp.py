@@ -181,6 +181,8 @@ class FwMLP(MemoryLayer):
         norm_eps: epsilon of the shell's RMSNorms.
     """
 
+    family = "regression"
+
     #: the layer has its own RMSNorms (Eq. 26) and reads the raw residual stream
     prenorm: ClassVar[bool] = False
     bench_cost = 1.4

@@ -98,6 +98,7 @@ VARIANTS = {
 
 @register_layer("fwpkm")
 class FwPKM(MemoryLayer):
+    family = "slots"
     prenorm = False  # Eq. 26 normalises h itself
     bench_cost = 1.6
 

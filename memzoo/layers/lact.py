@@ -243,6 +243,8 @@ class LaCT(MemoryLayer):
         init_std: std of the slow linear layers' initialisation (0.02, the authors' config).
     """
 
+    family = "regression"
+
     per_sequence = True
     bench_cost = 1.6
 

@@ -76,6 +76,8 @@ class LinearAttentionMemory(MemoryLayer):
         eps: added to the normaliser qᵀz.
     """
 
+    family = "hebbian"
+
     chunk_size = None
     per_sequence = True
     #: forward is per token write-then-read (see module docstring)

@@ -142,6 +142,8 @@ class MoM(MemoryLayer):
         norm_eps: eps of the output RMSNorm.
     """
 
+    family = "delta"
+
     chunk_size = None
     per_sequence = True
     #: forward writes each token to its memories, then reads them (position t sees its own write)

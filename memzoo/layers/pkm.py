@@ -128,6 +128,8 @@ class PKM(MemoryLayer):
             :mod:`memzoo.kernels.fwpkm` (default True); False keeps the torch path.
     """
 
+    family = "slots"
+
     chunk_size = None
     per_sequence = False  # no batch dimension; any batch size (the memory is the slow weights)
     site = "ffn"

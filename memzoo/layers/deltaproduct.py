@@ -1,0 +1,97 @@
+"""DeltaProduct (Siems, Carstensen, Zela, Hutter, Pontil & Grazzi 2025, "DeltaProduct: Improving
+State-Tracking in Linear RNNs via Householder Products", arXiv 2502.10297).
+
+Each token takes n_h delta-rule steps instead of one, with keys, values and step sizes of their own
+(Sec. 3, Eq. 4-5, [K, V] layout):
+
+    H_{t,0} = S_{t-1}
+    H_{t,j} = (I − β_{t,j} k_{t,j} k_{t,j}ᵀ) H_{t,j-1} + β_{t,j} k_{t,j} v_{t,j}ᵀ        j = 1 … n_h
+    S_t     = H_{t,n_h}
+    o_t     = S_tᵀ q_t / √K
+
+so the transition of a token is a product of n_h generalised Householder matrices (rank n_h, not 1:
+DeltaNet is n_h = 1). The token's n_h keys, values and β come from projections n_h times as wide
+(k_{t,j} = L2(silu(conv(W_k x_t)))_j, …). ``forget_gate`` adds the Gated DeltaProduct's decay α_t,
+once per token before its steps (S_t = H_{t,n_h} with H_{t,0} = α_t S_{t-1}; fla's
+``GatedDeltaProduct``); ``allow_neg_eigval`` takes β ∈ (0, 2), the paper's [−1, 1] eigenvalue
+range (Sec. 3; DeltaProduct_{n_h}[−1, 1] in its tables). The output is DeltaNet's (RMSNorm per head),
+or Gated DeltaNet's (⊙ silu(W_g x)) with the forget gate, as fla's layer gates its output.
+
+The computation is the paper's (Sec. 3.2) and fla's: the n_h steps of every token are n_h tokens of
+a gated delta rule over a sequence n_h times as long (the decay on a token's first step, the read
+after its last), so :mod:`memzoo.ops.gated_delta_rule` runs it, chunked.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memzoo.layers._delta import DeltaRuleMemory, linear
+from memzoo.layers.base import State
+from memzoo.layers.gated_deltanet import mamba2_decay_init
+from memzoo.ops.gated_delta_rule import gated_delta_rule
+from memzoo.registry import register_layer
+
+
+@register_layer("deltaproduct")
+class DeltaProduct(DeltaRuleMemory):
+    """DeltaProduct as a memory layer; see the module docstring.
+
+    Args:
+        d_model, num_heads, head_dim, expand_v, conv_size, norm_eps: as DeltaNet's.
+        num_householder: n_h delta steps per token (2).
+        forget_gate: the Gated DeltaProduct's decay α_t per token and head (and the gated output).
+        allow_neg_eigval: β ∈ (0, 2) (eigenvalues of each step in [−1, 1]).
+    """
+
+    def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 1.0,
+                 conv_size: int = 4, num_householder: int = 2, forget_gate: bool = False,
+                 allow_neg_eigval: bool = False, norm_eps: float = 1e-5):
+        super().__init__(d_model, num_heads, head_dim, expand_v, conv_size, norm_eps)
+        if num_householder < 1:
+            raise ValueError(f"num_householder must be >= 1, got {num_householder}")
+        n = self.num_householder = num_householder
+        self.forget_gate, self.allow_neg_eigval = bool(forget_gate), bool(allow_neg_eigval)
+        self.k_proj = linear(d_model, n * self.key_dim)
+        self.v_proj = linear(d_model, n * self.value_dim)
+        self.b_proj = linear(d_model, n * num_heads)
+        self.o_norm_weight = nn.Parameter(torch.ones(self.head_v_dim))
+        if self.forget_gate:
+            self.a_proj = linear(d_model, num_heads)
+            A_log, dt_bias = mamba2_decay_init(num_heads)
+            self.A_log, self.dt_bias = nn.Parameter(A_log), nn.Parameter(dt_bias)
+            self.A_log._no_weight_decay = self.dt_bias._no_weight_decay = True
+            self.g_proj = linear(d_model, self.value_dim)
+        self.add_convs(k=n * self.key_dim, v=n * self.value_dim)
+
+    def steps(self, x: Tensor, state: State, new: State) -> tuple[Tensor, Tensor, Tensor]:
+        """The n_h steps of every token, in order: k [B, T·n_h, H, K], v [B, T·n_h, H, V], β [B, T·n_h, H]."""
+        B, T, _ = x.shape
+        dt, n, H = self.cdtype(), self.num_householder, self.num_heads
+        k = self.conv("k", self.k_proj(x).to(dt), state, new).reshape(B, T * n, H, self.head_dim)
+        v = self.conv("v", self.v_proj(x).to(dt), state, new).reshape(B, T * n, H, self.head_v_dim)
+        beta = torch.sigmoid(self.b_proj(x).to(dt)).reshape(B, T * n, H)
+        return F.normalize(k, dim=-1), v, 2 * beta if self.allow_neg_eigval else beta
+
+    def scan(self, x: Tensor, state: State, q: Tensor | None) -> tuple[Tensor | None, State]:
+        new: State = {}
+        B, T, _ = x.shape
+        n, H = self.num_householder, self.num_heads
+        k, v, beta = self.steps(x, state, new)
+        g = k.new_zeros(B, T, n, H)
+        if self.forget_gate:  # log α_t on each token's first step
+            a = self.a_proj(x).to(g.dtype)
+            g0 = -self.A_log.to(a.dtype).exp() * F.softplus(a + self.dt_bias.to(a.dtype))
+            g = torch.cat([g0[:, :, None], g[:, :, 1:]], dim=2)
+        qs = k if q is None else torch.cat([q.new_zeros(B, T, n - 1, H, self.head_dim), q[:, :, None]], 2).flatten(1, 2)
+        o, new["S"] = gated_delta_rule(qs, k, v, g.flatten(1, 2), beta, scale=self.scale, initial_state=state["S"],
+                                       output_final_state=True, chunk_size=self.parallel_chunk * n)
+        return (None if q is None else o[:, n - 1 :: n]), new
+
+    def output(self, o: Tensor, x: Tensor) -> Tensor:
+        o = self.rmsnorm(o, self.o_norm_weight)
+        if self.forget_gate:
+            o = o * F.silu(self.heads(self.g_proj(x).to(o.dtype), self.head_v_dim))
+        return self.o_proj(o.flatten(-2).to(x.dtype))

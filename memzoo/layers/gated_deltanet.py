@@ -1,0 +1,70 @@
+"""Gated DeltaNet (Yang, Kautz & Hatamizadeh 2025, "Gated Delta Networks: Improving Mamba2 with
+Delta Rule", arXiv 2412.06464) as a memory layer: the backbone's GDN mixer
+(memzoo/backbone/gdn.py), placed where a memory goes, so that it can sit behind the recall
+preset's local backbone like every other memory.
+
+The delta rule of DeltaNet with a data-dependent decay α_t ∈ (0, 1) per head (Eq. 10, [K, V] layout):
+
+    S_t = α_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ
+    o_t = S_tᵀ q_t / √K
+    y_t = W_o (RMSNorm(o_t) ⊙ silu(W_g x_t))  per head                     (Sec. 3.3, the output gate)
+
+α_t = exp(g_t), g_t = −exp(A_log) · softplus(W_a x_t + dt_bias), one A_log and dt_bias per head,
+initialised as Mamba-2's (A ~ U(1e-4, 16), dt ~ logU(1e-3, 1e-1): the backbone GDN's init);
+k, v, β, the short convolutions and the pointwise query as DeltaNet (memzoo/layers/deltanet.py).
+(Eq. 10's α multiplies the whole transition; applying it before or after I − βkkᵀ is the same,
+since the decay is a scalar.) The recurrence is :mod:`memzoo.ops.gated_delta_rule`, chunked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memzoo.layers._delta import linear
+from memzoo.layers.base import State
+from memzoo.layers.deltanet import DeltaNet
+from memzoo.ops.gated_delta_rule import gated_delta_rule
+from memzoo.registry import register_layer
+
+
+def mamba2_decay_init(n: int) -> tuple[Tensor, Tensor]:
+    """(A_log, dt_bias) of n gates, Mamba-2's init: A ~ U(1e-4, 16), softplus(dt_bias) ~ logU(1e-3, 1e-1)."""
+    A_log = torch.empty(n).uniform_(1e-4, 16).log()
+    dt = torch.exp(torch.rand(n) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+    return A_log, dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+
+
+@register_layer("gated_deltanet")
+class GatedDeltaNet(DeltaNet):
+    """Gated DeltaNet as a memory layer; see the module docstring. Args as DeltaNet's."""
+
+    def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 1.0,
+                 conv_size: int = 4, allow_neg_eigval: bool = False, norm_eps: float = 1e-5):
+        super().__init__(d_model, num_heads, head_dim, expand_v, conv_size, allow_neg_eigval, norm_eps)
+        self.a_proj = linear(d_model, num_heads)
+        A_log, dt_bias = mamba2_decay_init(num_heads)
+        self.A_log, self.dt_bias = nn.Parameter(A_log), nn.Parameter(dt_bias)
+        self.A_log._no_weight_decay = self.dt_bias._no_weight_decay = True
+        self.g_proj = linear(d_model, self.value_dim)
+
+    def log_decay(self, x: Tensor) -> Tensor:
+        """g_t = log α_t = −exp(A_log) softplus(W_a x_t + dt_bias): [B, T, H]."""
+        a = self.a_proj(x).to(self.cdtype())
+        return -self.A_log.to(a.dtype).exp() * F.softplus(a + self.dt_bias.to(a.dtype))
+
+    def scan(self, x: Tensor, state: State, q: Tensor | None) -> tuple[Tensor | None, State]:
+        new: State = {}
+        k, v = self.keys_values(x, state, new)
+        o, new["S"] = gated_delta_rule(k if q is None else q, k, v, self.log_decay(x), self.beta(x), scale=self.scale,
+                                       initial_state=state["S"], output_final_state=True,
+                                       chunk_size=self.parallel_chunk)
+        return (None if q is None else o), new
+
+    def output(self, o: Tensor, x: Tensor) -> Tensor:
+        """y = W_o (RMSNorm(o) ⊙ silu(W_g x)) per head."""
+        gate = F.silu(self.heads(self.g_proj(x).to(o.dtype), self.head_v_dim))
+        return self.o_proj((self.rmsnorm(o, self.o_norm_weight) * gate).flatten(-2).to(x.dtype))

@@ -1,0 +1,64 @@
+"""Kimi Delta Attention (Kimi Team 2025, "Kimi Linear: An Expressive, Efficient Attention
+Architecture", arXiv 2510.26692, Sec. 3).
+
+The gated delta rule with a decay per key channel instead of per head (Eq. 1, [K, V] layout):
+
+    S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ          α_t ∈ (0, 1)^K
+    o_t = S_tᵀ q_t / √K
+    y_t = W_o (RMSNorm(o_t) ⊙ sigmoid(W_g↑ W_g↓ x_t))  per head           (Eq. 4's output gate)
+
+The channel-wise gate (Sec. 3.2, and fla's ``KimiDeltaAttention``): a low-rank projection
+f_t = W_f↑ W_f↓ x_t (rank head_v_dim) and log α_t = −exp(A_log) · softplus(f_t + dt_bias), one A_log
+per head (A ~ U(1, 16)) and one dt_bias per key channel (zeros). k, v, β, the short convolutions and
+the pointwise query are DeltaNet's (memzoo/layers/deltanet.py); the output gate is low-rank too
+(rank head_v_dim, with a bias), through a sigmoid.
+
+The recurrence is the diagonal-plus-low-rank op :mod:`memzoo.ops.dplr_delta_rule`: since
+k_tᵀ Diag(α_t) S = (α_t ⊙ k_t)ᵀ S, KDA's step is S_t = Diag(α_t) S + b_t (a_tᵀ S) + k'_t v_tᵀ with
+a_t = α_t ⊙ k_t, b_t = −β_t k_t and k'_t = β_t k_t.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memzoo.layers._delta import linear
+from memzoo.layers.base import State
+from memzoo.layers.deltanet import DeltaNet
+from memzoo.ops.dplr_delta_rule import dplr_delta_rule
+from memzoo.registry import register_layer
+
+
+@register_layer("kda")
+class KimiDeltaAttention(DeltaNet):
+    """Kimi Delta Attention as a memory layer; see the module docstring. Args as DeltaNet's."""
+
+    def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 1.0,
+                 conv_size: int = 4, allow_neg_eigval: bool = False, norm_eps: float = 1e-5):
+        super().__init__(d_model, num_heads, head_dim, expand_v, conv_size, allow_neg_eigval, norm_eps)
+        self.f_proj = nn.Sequential(linear(d_model, self.head_v_dim), linear(self.head_v_dim, self.key_dim))
+        self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(1, 16).log())
+        self.dt_bias = nn.Parameter(torch.zeros(self.key_dim))
+        self.A_log._no_weight_decay = self.dt_bias._no_weight_decay = True
+        self.g_proj = nn.Sequential(linear(d_model, self.head_v_dim), linear(self.head_v_dim, self.value_dim, bias=True))
+
+    def log_decay(self, x: Tensor) -> Tensor:
+        """log α_t = −exp(A_log) softplus(W_f↑ W_f↓ x_t + dt_bias), per channel: [B, T, H, K]."""
+        f = self.heads(self.f_proj(x).to(self.cdtype()) + self.dt_bias.to(self.cdtype()))
+        return -self.A_log.to(f.dtype).exp()[:, None] * F.softplus(f)
+
+    def scan(self, x: Tensor, state: State, q: Tensor | None) -> tuple[Tensor | None, State]:
+        new: State = {}
+        k, v = self.keys_values(x, state, new)
+        g, beta = self.log_decay(x), self.beta(x)[..., None]
+        o, new["S"] = dplr_delta_rule(k if q is None else q, beta * k, v, g.exp() * k, -beta * k, g, scale=self.scale,
+                                      initial_state=state["S"], output_final_state=True,
+                                      chunk_size=self.parallel_chunk)
+        return (None if q is None else o), new
+
+    def output(self, o: Tensor, x: Tensor) -> Tensor:
+        """y = W_o (RMSNorm(o) ⊙ sigmoid(W_g↑ W_g↓ x)) per head."""
+        gate = torch.sigmoid(self.heads(self.g_proj(x).to(o.dtype), self.head_v_dim))
+        return self.o_proj((self.rmsnorm(o, self.o_norm_weight) * gate).flatten(-2).to(x.dtype))
