@@ -109,6 +109,15 @@ LAYER_TESTS: dict[str, dict] = {
                      "train_steps": 600},  # the forget gate brings Gated DeltaNet's output gate (above)
     "kda": {"options": dict(num_heads=2, head_dim=16), "iterative": True},  # (as DeltaNet)
     "rwkv7": {"options": dict(num_heads=2, head_dim=16)},
+    # the test-time-training memories: 2 heads of 16, mini-batches / chunks of 4 (several in the suite's
+    # sequences); gradient steps on a regression loss, so a second write corrects what the first left
+    "ttt_linear": {"options": dict(num_heads=2, head_dim=16, mini_batch_size=4), "iterative": True},
+    # the release's base lr (0.1) moves the inner MLP 10x less a step than TTT-Linear's 1.0; and the
+    # suite's brief training lifts the N(0, 0.02)-initialised MLP out of its flat start slowly (200 steps:
+    # recall 0.13, 600: 0.93)
+    "ttt_mlp": {"options": dict(num_heads=2, head_dim=16, mini_batch_size=4, expansion=2, base_lr=1.0),
+                "iterative": True, "train_steps": 600},
+    "titans": {"options": dict(num_heads=2, head_dim=16, chunk_size=4, expansion=2), "iterative": True},
     "pkm": {
         # 64 slots; rmsnorm queries, so forward is per token and streams
         "options": dict(key_dim=16, value_dim=16, heads=2, topk=4, n_subkeys=8, query_norm="rmsnorm"),

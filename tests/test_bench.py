@@ -518,6 +518,30 @@ def test_each_published_table_says_what_its_rows_mix():
     assert "**mixes protocol versions** 2 (3), 1 (1)" in line
 
 
+def test_a_table_row_names_its_layers_write_rule_family():
+    """One helper resolves a row's name to its family's label: a layer, a variant (its layer's), and
+    nothing for the baseline, the controls and a name no layer is registered under; the column
+    follows the layer, a column or the index."""
+    import pandas as pd
+
+    from memzoo.bench.report import family, with_family
+    from memzoo.layers.base import FAMILIES
+    from memzoo.registry import get_layer
+
+    assert family("linear") == "Hebbian outer product" and family("deltanet") == "delta rule"
+    assert family("lact/lr1e-3") == family("lact") == "gradient steps on a regression loss"
+    assert family("fwpkm/token") == "sparse slots"
+    assert [family(n) for n in (BASELINE, "ctrl:attention", "ctrl:none", "paper/gdn", "gone")] == [""] * 5
+    builtin = ["linear", "ba", "mom", "deltanet", "gated_deltanet", "deltaproduct", "kda", "rwkv7", "fwl", "fwmlp",
+               "lact", "pkm", "fwpkm"]  # (a plugin's layer may name none)
+    assert all(get_layer(n).family in FAMILIES for n in builtin)
+    assert {family(n) for n in builtin} == set(FAMILIES.values())
+    t = with_family(pd.DataFrame({"layer": ["mom", BASELINE], "d_model": [64, 64]}))
+    assert list(t.columns) == ["layer", "family", "d_model"] and list(t["family"]) == ["delta rule", ""]
+    t = with_family(pd.DataFrame({"seeds": [3]}, index=pd.Index(["ba sonnets"], name="layer, corpus")))
+    assert list(t.columns) == ["family", "seeds"] and t["family"].iloc[0] == "Hebbian outer product"
+
+
 def test_no_table_mixes_machine_models_or_protocols():
     """Rows of one suite and preset on two machines (or of two protocol versions) are two sections,
     each named by its machine (and protocol). A section stays whole (its controls beside its rows)

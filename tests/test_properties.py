@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from memzoo.backbone.layout import LayoutError, parse_layout
 from memzoo.config import ConfigError, ModelConfig, TrainConfig, load_config
+from memzoo.registry import layer_names
 
 # no subnormal floats: training tests in the same process flush them to zero (memzoo.cpu.tune_cpu),
 # and hypothesis refuses to draw them then
@@ -88,7 +89,7 @@ def _options_of(name: str) -> list[str]:
     return [p for p in inspect.signature(get_layer(name).__init__).parameters if p not in ("self", "d_model")]
 
 
-LAYERS = ["fwpkm", "pkm", "fwmlp", "linear", "lact", "mom", "fwl", "ba"]
+LAYERS = layer_names()  # every registered layer
 option_values = st.one_of(st.none(), st.booleans(), st.integers(-3, 70), st.floats(-2, 2, allow_subnormal=False), st.just(float("nan")),
                           st.text(max_size=6), st.lists(st.integers(0, 4), max_size=2))
 

@@ -1,7 +1,7 @@
 """The leaderboard's web page (leaderboards/site/index.html) in a real browser: headless Chromium,
 driven by selenium, loads the published page from disk. No console error, every published
 section, sorting, the layer filter, a row's provenance, a screenshot that is not blank, and no
-request that leaves the machine. Needs Debian's chromium and chromium-driver and the selenium
+request that leaves the machine; the family filter on a page this checkout renders. Needs Debian's chromium and chromium-driver and the selenium
 package (`.ci/run` installs them); skipped without them, except under CI, where it fails."""
 
 from __future__ import annotations
@@ -98,6 +98,56 @@ def test_filtering_to_one_layer_leaves_its_rows_and_the_controls(browser):
     assert layer in kinds and kinds <= {layer, "ctrl:attention", "ctrl:none"}
     Select(browser.find_element("id", "layer")).select_by_value("")
     assert len([r for r in browser.find_elements("css selector", "tr.row[data-layer]") if r.is_displayed()]) > len(shown)
+
+
+@pytest.fixture(scope="module")
+def family_page(tmp_path_factory):
+    """A page rendered by this checkout (the published one may predate the family filter): the
+    published toys rows of the long-budget preset (a delta-rule layer, mom; Hebbian ones, linear and
+    ba; the controls and the baseline), with mom's rows copied as deltanet's, a second delta-rule
+    layer."""
+    from memzoo.bench.report import render
+    from memzoo.bench.report.toys import LONG
+
+    rows = [json.loads(line) for line in (ROOT / "leaderboards" / "results.jsonl").read_text().splitlines()
+            if '"suite": "toys"' in line and f'"preset": "{LONG}"' in line]
+    rows += [{**r, "layer": "deltanet"} for r in rows if r["layer"] == "mom"]
+    assert {"mom", "deltanet", "linear", "ctrl:attention", "ctrl:none"} <= {r["layer"] for r in rows}
+    d = _driver()  # (skips without a browser before rendering anything)
+    out = tmp_path_factory.mktemp("family")
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    render(out / "results.jsonl")
+    d.get((out / "site" / "index.html").as_uri())
+    yield d
+    d.quit()
+
+
+def test_filtering_to_one_family_leaves_its_layers_rows_and_the_controls(family_page):
+    from selenium.webdriver.support.ui import Select
+
+    family = Select(family_page.find_element("id", "family"))
+    assert [o.text for o in family.options][:3] == ["all families", "Hebbian outer product", "delta rule"]
+    everything = [r for r in family_page.find_elements("css selector", "tr.row[data-layer]") if r.is_displayed()]
+    family.select_by_visible_text("delta rule")
+    rows = family_page.find_elements("css selector", "tr.row[data-layer]")
+    shown = [r for r in rows if r.is_displayed()]
+    kinds = {r.get_attribute("data-layer") for r in shown}
+    assert kinds == {"mom", "deltanet", "ctrl:attention", "ctrl:none"}
+    layers = [r for r in shown if not r.get_attribute("data-layer").startswith("ctrl:")]
+    assert all(r.get_attribute("data-family") == "delta rule" for r in layers)
+    col = [h.text for h in family_page.find_elements("css selector", "table th")].index("family")  # the first table's
+    first = family_page.find_element("css selector", "table")
+    assert {r.find_elements("css selector", "td")[col].text for r in _visible_rows(first)
+            if r.get_attribute("data-layer") == "mom"} == {"delta rule"}
+    linear = [r for r in rows if r.get_attribute("data-layer") == "linear"]
+    assert linear and not any(r.is_displayed() for r in linear)  # a Hebbian layer's rows are hidden
+    assert all(r.get_attribute("data-family") == "Hebbian outer product" for r in linear)
+    layer = Select(family_page.find_element("id", "layer"))
+    layer.select_by_value("linear")  # the two filters combine: a Hebbian layer in the delta family is no row
+    assert {r.get_attribute("data-layer") for r in rows if r.is_displayed()} == {"ctrl:attention", "ctrl:none"}
+    layer.select_by_value("")
+    family.select_by_value("")
+    assert [r for r in family_page.find_elements("css selector", "tr.row[data-layer]") if r.is_displayed()] == everything
 
 
 def test_a_row_opens_its_provenance(browser):

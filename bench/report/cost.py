@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from memzoo.bench.common import BASELINE
-from memzoo.bench.report import save_png
+from memzoo.bench.report import save_png, with_family
 
 NOTE = """\
 **The two FLOPs columns.** *Table-2 style* is the paper's accounting, which we reconstructed and
@@ -114,11 +114,12 @@ def _layers(df):
         if noisy.any():
             t["timing"] = ["noisy: " + str(why) if n else "" for n, why in zip(noisy, _col(df, "noisy"))]
         t["device"] = _col(df, "device")
-    return t.set_index("layer")
+    return with_family(t.set_index("layer"))
 
 
 def tables(df) -> dict:
-    """The Table 2 comparison (configs beside the paper) and the per-layer cost table."""
+    """The Table 2 comparison (configs beside the paper) and the per-layer cost table (each layer
+    with its write-rule family)."""
     import pandas as pd
 
     out = {}

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci, mean_ci
 from memzoo.bench.report import (
-    beyond, fewer_seeds, layer_order, lm_lines, save_png, shared_count, with_seed, with_texts,
+    beyond, fewer_seeds, layer_order, lm_lines, save_png, shared_count, with_family, with_seed, with_texts,
 )
 
 #: printed under the NIAH tables of the leaderboard
@@ -110,7 +110,8 @@ def tables(df) -> dict:
     logit-t over the trainings for several; ▲/▼ against the baseline), digits right (%) and
     answer NLL by layer x (length, n-iter), each with the layer's seeds; throughput and peak
     memory by layer x length. Every seed's row counts, none is picked. Where the controls fail
-    (`validity`, in any seed), the layer rows are withheld."""
+    (`validity`, in any seed), the layer rows are withheld. Each row names its layer's write-rule
+    family (`with_family`)."""
     import pandas as pd
 
     if df.empty:
@@ -145,7 +146,7 @@ def tables(df) -> dict:
     title = f"NIAH exact-match accuracy (%) [95% interval {over}], length x n-iter"
     out = {f"HARNESS INVALID ({'; '.join(bad)}): layer rows withheld; {title}" if bad else title: table(_cell)}
     if df.empty:
-        return out
+        return {title: with_family(t) for title, t in out.items()}
     over = "[95% interval over samples, within 0-100] where recorded" + ("; over trainings where seeds > 1" if several else "")
     out[f"NIAH answer digits right (%, {over}; ▲/▼ as above), length x n-iter"] = table(_digits)
     if "metrics.answer_nll" in df:
@@ -179,7 +180,7 @@ def tables(df) -> dict:
     cost["k"] = cost["layer"].map({n: i for i, n in enumerate(order)})
     title = "NIAH throughput and memory" + (" (tokens/s: the seeds' mean; peak RSS: their highest)" if several else "")
     out[title] = cost.sort_values(["k", "length"]).drop(columns="k").reset_index(drop=True)
-    return out
+    return {title: with_family(t) for title, t in out.items()}
 
 
 def figures(df, out_dir: Path) -> list[Path]:

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, POSITIVE, mean_ci
 from memzoo.bench.report import (
-    beyond, fewer_seeds, layer_order, lm_lines, save_png, shared_count, with_seed, with_texts,
+    beyond, fewer_seeds, layer_order, lm_lines, save_png, shared_count, with_family, with_seed, with_texts,
 )
 from memzoo.bench.suites.ppl import MODES, POSITIONS
 
@@ -111,7 +111,8 @@ def tables(df) -> dict:
     """Loss carried / reset and the gain (± its 95% interval) per corpus; perplexity; the
     repeated-passage probe; the carried loss by position in the document; the LMs. A layer's
     cell of several training seeds is their mean with a 95% t-interval over the trainings (a
-    cell of one, as recorded); every table says the layer's seeds, none picks one."""
+    cell of one, as recorded); every table says the layer's seeds, none picks one, and each row its
+    layer's write-rule family (`with_family`)."""
     import pandas as pd
 
     df = with_seed(df)
@@ -205,7 +206,7 @@ def tables(df) -> dict:
     over = "; where seeds > 1 the val loss is their mean ± its 95% interval, the rest their mean" if several else ""
     res[f"The LMs (one per layer and training seed, *seeds* of them; niah evaluates them too unless its preset gives "
         f"it LMs of its own, niah.lm{over})"] = lm
-    return res
+    return {title: with_family(t) for title, t in res.items()}
 
 
 def _edge(col: str) -> int:

@@ -4,7 +4,8 @@ One self-contained file (its style and script inline; the figures are the PNGs b
 ``figures/``), so it opens from disk with no request leaving the machine. Each section (a suite and
 preset on one machine model) shows the harness's validity and the controls first; every table sorts
 by a click on a column's header (numbers by value, the rest by text) and follows the page's layer
-filter (the chosen layer's rows and the controls stay); a row opens to its provenance (the rows
+and family filters (the rows of the chosen layer, and of layers of the chosen write-rule family, stay,
+and the controls with them; a row shows where it passes both); a row opens to its provenance (the rows
 behind it: seed, run, commit, machine, date, config hash, and the config itself, kept once per section
 as JSON in the page); capped, diverged
 and at-chance rows are marked. Nothing in it is measured here: it is the rows, laid out.
@@ -17,6 +18,8 @@ import json
 from pathlib import Path
 
 from memzoo.bench.common import BASELINE, CONTROLS
+from memzoo.bench.report import family
+from memzoo.layers.base import FAMILIES
 from memzoo.storage import write_text
 
 #: words in a row that mark it (the toys' stop column): a statement about the budget, or a failure
@@ -64,9 +67,10 @@ function sortBy(th) {
   });
   pairs.forEach(([r, p]) => { body.appendChild(r); if (p && p.classList.contains('prov')) body.appendChild(p); });
 }
-function filterLayer(layer) {
+function filterRows(layer, family) {
   document.querySelectorAll('tr.row').forEach(r => {
-    const keep = !layer || !r.dataset.layer || r.dataset.layer === layer || r.classList.contains('ctrl');
+    const always = !r.dataset.layer || r.classList.contains('ctrl');
+    const keep = always || ((!layer || r.dataset.layer === layer) && (!family || r.dataset.family === family));
     r.hidden = !keep;
     const p = r.nextElementSibling;
     if (p && p.classList.contains('prov') && !keep) p.hidden = true;
@@ -83,8 +87,8 @@ document.addEventListener('DOMContentLoaded', () => {
     tr.className = 'prov'; td.colSpan = r.cells.length; td.textContent = text;
     tr.appendChild(td); r.after(tr);
   }));
-  const sel = document.getElementById('layer');
-  sel.addEventListener('change', () => filterLayer(sel.value));
+  const sel = document.getElementById('layer'), fam = document.getElementById('family');
+  [sel, fam].forEach(s => s.addEventListener('change', () => filterRows(sel.value, fam.value)));
 });
 """
 
@@ -141,7 +145,7 @@ def _table(table, tid: str) -> list[str]:
         cells = [table[c].iloc[i] for c in cols]
         text = " ".join(str(v) for v in cells)
         cls = ["row"] + (["ctrl"] if layer in CONTROLS else []) + [m for m in MARKS if m in text]
-        attr = f' data-layer="{_esc(layer)}"' if layer else ""
+        attr = f' data-layer="{_esc(layer)}" data-family="{_esc(family(layer))}"' if layer else ""
         title = f' title="{_esc(", ".join(m for m in MARKS if m in text))}"' if any(m in text for m in MARKS) else ""
         out.append(f'<tr class="{" ".join(cls)}"{attr}{title}>' + "".join(f"<td>{_cell(v)}</td>" for v in cells) + "</tr>")
     out.append("</tbody></table>")
@@ -153,14 +157,20 @@ def write_site(secs: list, rows: list[dict], out: Path) -> Path:
     figures are linked from ``out/figures``. The same sections give the same bytes."""
     layers = sorted({r["layer"] for s in secs for r in s.rows if r["layer"] not in CONTROLS},
                     key=lambda n: (n != BASELINE, n))
+    labels = list(FAMILIES.values())  # the families of the rows' layers, in FAMILIES' order (a plugin's own last)
+    families = sorted({f for n in layers if (f := family(n))},
+                      key=lambda f: (labels.index(f) if f in labels else len(labels), f))
     body = [
         "<h1>memzoo leaderboard</h1>",
         f"<p>Rendered by <code>memzoo leaderboard</code> from results.jsonl ({len(rows)} rows) and nothing else, as "
         "README.md beside it. Click a column's header to sort, a row to open its provenance; the layer filter keeps "
-        "the chosen layer's rows and the controls. Rows marked on the left: capped, at chance (a budget, not a "
-        "verdict) or diverged.</p>",
+        "the chosen layer's rows and the controls, the family filter those of the layers of the chosen write-rule "
+        "family and the controls; a row shows where it passes both. Rows marked on the left: capped, at chance (a "
+        "budget, not a verdict) or diverged.</p>",
         '<div id="bar"><label>Layer: <select id="layer"><option value="">all layers</option>'
-        + "".join(f'<option value="{_esc(n)}">{_esc(n)}</option>' for n in layers) + "</select></label> &nbsp; <nav>"
+        + "".join(f'<option value="{_esc(n)}">{_esc(n)}</option>' for n in layers) + "</select></label> &nbsp; "
+        + '<label>Family: <select id="family"><option value="">all families</option>'
+        + "".join(f'<option value="{_esc(f)}">{_esc(f)}</option>' for f in families) + "</select></label> &nbsp; <nav>"
         + "".join(f'<a href="#s{i}">{_esc(s.heading.replace("`", ""))}</a>' for i, s in enumerate(secs)) + "</nav></div>",
     ]
     for i, s in enumerate(secs):

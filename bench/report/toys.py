@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci
-from memzoo.bench.report import layer_order, save_png
+from memzoo.bench.report import layer_order, save_png, with_family
 from memzoo.bench.suites.toys import NAME, TASKS, slice_order
 
 NOTE = """Accuracy is on the labelled positions of the test sets (MQAR: every query; Ba's task: the answer
@@ -296,8 +296,9 @@ def incomplete(df) -> tuple:
 def tables(df) -> dict:
     """Per task: test accuracy by slice (mean ± 95% interval over seeds, ▲/▼ against the
     baseline), steps and stops, chosen lr and state size; then the state and parameters per
-    model. A task whose controls fail shows the controls only, under a title that says so; a
-    layer with fewer seeds than the baseline is left out and named in the title (`incomplete`)."""
+    model; each row with its layer's write-rule family (`with_family`). A task whose controls fail
+    shows the controls only, under a title that says so; a layer with fewer seeds than the
+    baseline is left out and named in the title (`incomplete`)."""
     import pandas as pd
 
     df, partial = incomplete(df)
@@ -314,12 +315,12 @@ def tables(df) -> dict:
             t = t[t["layer"].isin(CONTROLS)]
         elif task in partial:
             title += f" (withheld until every seed has run: {', '.join(partial[task])})"
-        out[title] = t.reset_index(drop=True)
+        out[title] = with_family(t.reset_index(drop=True))
     first = df.sort_values("seed").groupby(["layer", "setting.task", "setting.d_model"], as_index=False).first()
     first = first[first["setting.task"] == next(t for t in TASKS if t in set(first["setting.task"]))]
     order = {n: i for i, n in enumerate(layer_order(first["layer"]))}
     first = first.assign(_k=first["layer"].map(order)).sort_values(["_k", "setting.d_model"])
-    out["Recurrent state per sequence (numbers) and parameters"] = pd.DataFrame({
+    out["Recurrent state per sequence (numbers) and parameters"] = with_family(pd.DataFrame({
         "layer": first["layer"].values,
         "d_model": first["setting.d_model"].astype(int).values,
         "GDN state": first["metrics.gdn_state"].astype(int).values,
@@ -329,7 +330,7 @@ def tables(df) -> dict:
         "memory shared by the batch": first["metrics.state_shared"].map(lambda x: "yes" if x else "no").values,
         f"params ({first['setting.task'].iloc[0]})": first["metrics.params"].astype(int).values,
         "train tokens/s": first["metrics.tokens_per_s"].astype(int).values,
-    })
+    }))
     return out
 
 

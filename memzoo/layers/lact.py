@@ -100,6 +100,7 @@ from torch import Tensor, nn
 
 from memzoo.backbone.ffn import RMSNorm
 from memzoo.layers.base import Compiled, MemoryLayer, State, state_precision, trains_on_cpu
+from memzoo.ops.inner_loop import silu_grad
 from memzoo.ops.muon import newton_schulz5
 from memzoo.registry import register_layer
 from memzoo.storage import load_transposed
@@ -111,12 +112,6 @@ MOMENTUM_KEYS = ("m0", "m1", "m2")
 def inv_softplus(y: float) -> float:
     """x with softplus(x) = y (the reference's base learning-rate offset)."""
     return y + math.log(-math.expm1(-y))
-
-
-def silu_grad(x: Tensor) -> Tensor:
-    """d silu(x) / dx = σ(x) (1 + x (1 − σ(x)))."""
-    s = torch.sigmoid(x)
-    return s * (1 + x * (1 - s))
 
 
 def rope(x: Tensor, pos: Tensor, head_dim: int, theta: float) -> Tensor:

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from memzoo.layers.base import state_precision
+
 
 def _check(q, k, v, a, b, gk, initial_state) -> None:
     if q.dim() != 4:
@@ -99,6 +101,13 @@ def dplr_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: T
     if T == 0:
         return v.new_zeros(B, 0, H, V), (h if output_final_state else None)
 
+    with state_precision(q.device):  # fp32 matmuls under autocast too: the state is the memory
+        return _chunked(q, k, v, a, b, gk, scale, h, output_final_state, chunk_size, dt)
+
+
+def _chunked(q, k, v, a, b, gk, scale, h, output_final_state, chunk_size, dt):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
     xs = [x.to(dt) for x in (q, k, v, a, b, gk)]
     bad = ~sum(x.sum(-1) for x in xs).isfinite()                                  # [B, T, H]
     masked = bad.device.type != "cpu" or torch.compiler.is_compiling() or bool(bad.any())

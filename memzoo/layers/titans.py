@@ -1,0 +1,182 @@
+"""Titans' neural long-term memory, the LMM as a layer (Behrouz, Zhong & Mirrokni 2025, "Titans:
+Learning to Memorize at Test Time", arXiv 2501.00663, Sec. 3.1-3.2), without the MAC / MAG / MAL
+architectures around it.
+
+The memory is a network M (an MLP of two layers, per head) trained as the sequence streams to map
+keys to values, with the gradient as "surprise" and momentum (Eq. 11-14):
+
+    k_t = L2(silu(conv(W_K x_t))),  v_t = silu(conv(W_V x_t)),  q_t = L2(silu(W_Q x_t))   (Sec. 4.4)
+    ℓ(M; x_t) = ‖M(k_t) − v_t‖²                                                          Eq. 12
+    S_t = η_t S_{t−1} − θ_t ∇ℓ(M_{t'}; x_t)                                               Eq. 10/13
+    M_t = (1 − α_t) M_{t−1} + S_t                                                         Eq. 13
+    y_t = W_o (RMSNorm(M*(q_t)) ⊙ σ(W_g x_t))       read without update (Eq. 15), then Sec. 4.4's
+                                                    normalisation and gate before the projection
+
+M(x) = silu(x W1) W2 (bias-free, hidden `expansion` × d; the paper gives L_M ≥ 2 layers and no width:
+lucidrains/titans-pytorch's MemoryMLP, depth 2 and expansion 4, decides; SiLU as the paper's other
+non-linearities), W1, W2 of every sequence start from learned slow weights. θ_t = max_lr · σ(w_θ·x_t + b_θ),
+η_t = σ(w_η·x_t + b_η), α_t = σ(w_α·x_t + b_α), per token and head ("data-dependent", end of Sec. 3.2;
+the paper gives no init: η starts near 0.9, α near 0.02, θ at max_lr / 2).
+
+The parallel form the paper trains with (Sec. 3.2, Eq. 16-18): the sequence is cut into chunks of b
+tokens and every gradient of a chunk is taken at the weights M_{t'} the chunk started from; the
+momentum and the forgetting still run token by token inside the chunk. A chunk is read with the
+memory as it was before the chunk (the MAC's M_{t−1} of the previous segment, Eq. 21; the memory is
+"read without update"), then written: a chunk-level read-then-write layer, exact when a sequence is
+split on chunk boundaries. The state is M (W1, W2) and the momentum S of both, per sequence, and the
+short convolutions' histories. Family: gradient steps on a regression loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memzoo.layers.base import MemoryLayer, State, state_precision
+from memzoo.ops.inner_loop import mlp_backward, mlp_forward
+from memzoo.ops.short_conv import causal_conv, conv_weights
+from memzoo.registry import register_layer
+
+FAST = ("W1", "W2")
+
+
+# ---- the memory's math, pure functions --------------------------------------------------------
+def memory_read(q: Tensor, M: dict) -> Tensor:
+    """M(q) = silu(q W1) W2: q [B, H, L, d] -> [B, H, L, d]."""
+    return mlp_forward(q, M["W1"], None, M["W2"], None, "silu")[0]
+
+
+def surprise(k: Tensor, v: Tensor, M: dict) -> dict:
+    """∇ℓ(M; x_t) of ℓ = ‖M(k_t) − v_t‖² for every token t, all at M: W1 [B, H, L, d, h], W2 [B, H, L, h, d]."""
+    y, z1, h = mlp_forward(k, M["W1"], None, M["W2"], None, "silu")
+    dy = 2 * (y - v)
+    dz1 = mlp_backward(dy, z1, M["W2"], "silu")
+    return {"W1": k[..., :, None] * dz1[..., None, :], "W2": h[..., :, None] * dy[..., None, :]}
+
+
+def write_chunk(k: Tensor, v: Tensor, theta: Tensor, eta: Tensor, alpha: Tensor, M: dict, S: dict) -> tuple[dict, dict]:
+    """One chunk of L tokens (gates [B, H, L]): the gradients at M (the chunk's start), then
+    S_t = η_t S_{t−1} − θ_t u_t and M_t = (1 − α_t) M_{t−1} + S_t token by token. Returns (M, S) at its end."""
+    u = surprise(k, v, M)
+    for t in range(k.shape[-2]):
+        g = lambda a: a[..., t, None, None]  # noqa: E731  [B, H, 1, 1]
+        S = {n: g(eta) * S[n] - g(theta) * u[n][..., t, :, :] for n in FAST}
+        M = {n: (1 - g(alpha)) * M[n] + S[n] for n in FAST}
+    return M, S
+
+
+@register_layer("titans")
+class Titans(MemoryLayer):
+    """Titans' neural long-term memory as a layer; see the module docstring.
+
+    Args:
+        d_model: model width D.
+        num_heads: H heads.
+        head_dim: d per head; default D // H.
+        chunk_size: b tokens whose gradients are taken at the same weights (16).
+        expansion: the memory MLP's hidden size is expansion × d (4).
+        max_lr: θ_t's ceiling (1.0).
+        conv_size: short-convolution width on k and v (0 or 1 = none).
+        norm_eps: eps of the output RMSNorm.
+    """
+
+    family = "regression"
+    per_sequence = True
+    bench_cost = 1.8
+
+    def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, chunk_size: int = 16,
+                 expansion: int = 4, max_lr: float = 1.0, conv_size: int = 4, norm_eps: float = 1e-6):
+        super().__init__(d_model)
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+        if head_dim is None:
+            if d_model % num_heads:
+                raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim")
+            head_dim = d_model // num_heads
+        for name, val in (("head_dim", head_dim), ("chunk_size", chunk_size), ("expansion", expansion)):
+            if val < 1:
+                raise ValueError(f"{name} must be >= 1, got {val}")
+        if not max_lr > 0:
+            raise ValueError(f"max_lr must be > 0, got {max_lr}")
+        if conv_size < 0:
+            raise ValueError(f"conv_size must be >= 0 (0 or 1 = no short convolution), got {conv_size}")
+        if not norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {norm_eps}")
+        H, d = num_heads, head_dim
+        self.num_heads, self.head_dim, self.chunk_size, self.expansion = H, d, chunk_size, expansion
+        self.max_lr, self.conv_size, self.eps = max_lr, conv_size, norm_eps
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d_model, H * d, bias=False) for _ in range(3))
+        self.gates = nn.Linear(d_model, 3 * H)  # θ, η, α per head
+        with torch.no_grad():
+            self.gates.weight.mul_(0.1)
+            self.gates.bias.copy_(torch.tensor([0.0, 2.2, -4.0]).repeat_interleave(H))
+        if conv_size > 1:
+            self.k_conv = nn.Parameter(conv_weights(H * d, conv_size))
+            self.v_conv = nn.Parameter(conv_weights(H * d, conv_size))
+        self.W1_0 = nn.Parameter(nn.init.xavier_uniform_(torch.empty(H, d, expansion * d)))
+        self.W2_0 = nn.Parameter(nn.init.xavier_uniform_(torch.empty(H, expansion * d, d)))
+        self.g_proj = nn.Linear(d_model, H * d, bias=False)
+        self.o_norm_weight = nn.Parameter(torch.ones(d))
+        self.o_proj = nn.Linear(H * d, d_model, bias=False)
+
+    # ---- state -----------------------------------------------------------------------------------
+    def _sdtype(self) -> torch.dtype:
+        return torch.promote_types(self.W1_0.dtype, torch.float32)
+
+    def init_state(self, batch_size: int) -> State:
+        """M_0 for every sequence (a differentiable copy of the slow weights), S = 0, empty conv histories."""
+        sd, dev = self._sdtype(), self.W1_0.device
+        st: State = {}
+        for n in FAST:
+            w = getattr(self, f"{n}_0").to(sd)
+            st[n] = w.unsqueeze(0).expand(batch_size, *w.shape).clone()
+            st[f"S{n}"] = torch.zeros_like(st[n]).detach()
+        if self.conv_size > 1:
+            for n in ("conv_k", "conv_v"):
+                st[n] = torch.zeros(batch_size, self.conv_size - 1, self.num_heads * self.head_dim, dtype=sd, device=dev)
+        return st
+
+    # ---- projections -----------------------------------------------------------------------------
+    def _heads(self, u: Tensor) -> Tensor:  # [B, T, H·d] -> [B, H, T, d]
+        return u.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+
+    def _conv(self, name: str, u: Tensor, state: State, new: State) -> Tensor:
+        if self.conv_size > 1:
+            xp = torch.cat([state[f"conv_{name}"], u], dim=1)
+            new[f"conv_{name}"] = xp[:, xp.shape[1] - (self.conv_size - 1):]
+            u = causal_conv(xp, getattr(self, f"{name}_conv"))
+        return F.silu(u)
+
+    # ---- read (Eq. 15) ---------------------------------------------------------------------------
+    def read_state(self, x: Tensor, state: State) -> Tensor:
+        """y_t = W_o (RMSNorm(M(q_t)) ⊙ σ(W_g x_t)), M as the state holds it; x is not written."""
+        sd = self._sdtype()
+        q = F.normalize(F.silu(self._heads(self.q_proj(x).to(sd))), dim=-1)
+        with state_precision(x.device):
+            o = memory_read(q, {n: state[n] for n in FAST})
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm_weight.to(o.dtype)
+        o = o * torch.sigmoid(self._heads(self.g_proj(x).to(o.dtype)))
+        return self.o_proj(o.transpose(1, 2).flatten(-2).to(x.dtype))
+
+    # ---- write (Eq. 12-14, chunked as Eq. 16-18) ----------------------------------------------------
+    def write_state(self, x: Tensor, state: State) -> State:
+        """Write x chunk by chunk: each chunk's gradients at the memory it found, then the momentum
+        and the forgetting token by token."""
+        sd = self._sdtype()
+        new: State = {}
+        k = F.normalize(self._heads(self._conv("k", self.k_proj(x).to(sd), state, new)), dim=-1)
+        v = self._heads(self._conv("v", self.v_proj(x).to(sd), state, new))
+        gates = torch.sigmoid(self.gates(x).to(sd)).unflatten(-1, (3, self.num_heads)).permute(2, 0, 3, 1)
+        theta, eta, alpha = self.max_lr * gates[0], gates[1], gates[2]                 # [B, H, T]
+        M, S = {n: state[n] for n in FAST}, {n: state[f"S{n}"] for n in FAST}
+        C = self.chunk_size
+        with state_precision(x.device):
+            for s in range(0, x.shape[1], C):
+                c = slice(s, s + C)
+                M, S = write_chunk(k[..., c, :], v[..., c, :], theta[..., c], eta[..., c], alpha[..., c], M, S)
+        return {**new, **M, **{f"S{n}": S[n] for n in FAST}}
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"expansion={self.expansion}, max_lr={self.max_lr}")
