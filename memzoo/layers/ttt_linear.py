@@ -44,6 +44,14 @@ from memzoo.ops.ttt import KEYS, effective, f_res, ttt_scan
 from memzoo.registry import register_layer
 
 
+@torch.compiler.disable
+def _place(pos: Tensor) -> int:
+    """The place in its mini-batch the next token takes (the state's `pos`, the same for every
+    sequence): a Python int, since the mini-batches' boundaries shape the computation. Outside any
+    compiled graph (one break there, rather than a graph per value)."""
+    return int(pos[0]) if pos.numel() else 0
+
+
 def _normal(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.randn(*shape) * 0.02)
 
@@ -143,8 +151,7 @@ class TTTLinear(MemoryLayer):
 
     def _split(self, state: State) -> tuple[dict, dict, int]:
         keys = KEYS[self.inner]
-        pos = int(state["pos"][0]) if state["pos"].numel() else 0
-        return {n: state[n] for n in keys}, {n: state[f"G{n}"] for n in keys}, pos
+        return {n: state[n] for n in keys}, {n: state[f"G{n}"] for n in keys}, _place(state["pos"])
 
     def _join(self, fast: dict, acc: dict, pos: int, like: Tensor) -> State:
         st = {**fast, **{f"G{n}": a for n, a in acc.items()}}
