@@ -903,3 +903,23 @@ def test_a_micro_run_at_several_lengths_names_its_slices_and_renders(tmp_path):
     mq = next(t for k, t in tabs.items() if k.startswith("MQAR"))
     assert [c for c in mq.columns if c.startswith("kv=")] == ["kv=1@16", "kv=2@32"]
     assert [p.name for p in toys_report.figures(df, tmp_path / "fig")][0] == "toys_mqar_capacity.png"
+
+
+def test_a_recall_row_at_chance_or_capped_says_whether_its_long_budget_check_is_published():
+    def row(layer, seed, stop, preset="recall"):
+        r = _row(layer, seed, 0.03 if stop == "chance" else 0.9)
+        r["metrics"].update(stop=stop, sequences=64000)
+        return {**r, "preset": preset, "suite": "toys"}
+
+    rows = [row(n, s, "solved") for n in (BASELINE, toys.POSITIVE) for s in range(3)]
+    rows += [row(toys_report.NEGATIVE, s, "chance") for s in range(3)]  # a control: never read here
+    rows += [row("kda", s, stop) for s, stop in enumerate(["solved", "capped", "solved"])]
+    rows += [row("mom", s, "chance") for s in range(3)]
+    published = rows + [row("mom", 0, "solved", preset=toys_report.LONG)]
+    lines = toys_report.reading(pd.json_normalize(rows), published)
+    assert lines[1:] == [
+        "mom: every seed stopped chance through 64k sequences: a statement about that budget.",
+        f"kda: 1 of 3 seeds stopped capped through 64k sequences; no long-budget check of it is published yet ({toys_report.LONG}).",
+        f"mom: 3 of 3 seeds stopped chance through 64k sequences; its long-budget check is published ({toys_report.LONG}).",
+    ]
+    assert toys_report.reading(pd.json_normalize(rows)) == lines[:2]  # without the published rows: as before

@@ -175,10 +175,20 @@ def sections(rows: list[dict], out: Path) -> list[Section]:
             suite=name, preset=preset, heading=heading,
             lead=(suite(name).__doc__ or "").strip().split("\n\n")[0],
             provenance=provenance(shown), tables=mod.tables(df), note=getattr(mod, "NOTE", "").strip(),
-            reading=list(getattr(mod, "reading", lambda df: [])(df)),
+            reading=list(_reading(mod, df, rows)),
             figures=list(mod.figures(df, out / "figures" / _folder(heading, preset))),
             problems=getattr(mod, "problems", lambda df: None)(df), rows=shown))
     return out_sections
+
+
+def _reading(mod, df, rows: list[dict]) -> list[str]:
+    """A section's reading lines; a suite whose `reading` takes the published rows too gets them."""
+    import inspect
+
+    fn = getattr(mod, "reading", None)
+    if fn is None:
+        return []
+    return fn(df, rows) if len(inspect.signature(fn).parameters) > 1 else fn(df)
 
 
 def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Path | None = None) -> list[Path]:

@@ -485,9 +485,11 @@ task whose controls fail is not drawn, nor a layer with fewer seeds than the bas
     return paths
 
 
-def reading(df) -> list[str]:
+def reading(df, published: list[dict] | None = None) -> list[str]:
     """The reading note's lines computed from the section's rows: how the trainings stopped, and
-    which layers' rows are statements about their budget (at chance or capped in every seed). A
+    which layers' rows are statements about their budget (at chance or capped in every seed). With
+    the `published` rows (the leaderboard gives them), a recall-preset section also says, for every
+    layer with a seed at chance or capped, whether its long-budget check (`LONG`) is published. A
     layer withheld for want of seeds (`incomplete`) is not read either."""
     df, out = incomplete(df)[0], []
     stops = df["metrics.stop"].value_counts()
@@ -498,6 +500,14 @@ def reading(df) -> list[str]:
             if (df["layer"] == layer).sum() == len(g):
                 out.append(f"{layer}: every seed stopped {' or '.join(sorted(set(g['metrics.stop'])))} "
                            f"through {_count(g['metrics.sequences'].max())} sequences: a statement about that budget.")
+        if published is not None and set(df["preset"]) == {"recall"} and len(short):
+            long = {r["layer"] for r in published if r["suite"] == NAME and r["preset"] == LONG}
+            for layer, g in sorted(short.groupby("layer"), key=lambda kv: layer_order(short["layer"]).index(kv[0])):
+                n = int((df["layer"] == layer).sum())
+                check = (f"its long-budget check is published ({LONG})" if layer in long
+                         else f"no long-budget check of it is published yet ({LONG})")
+                out.append(f"{layer}: {len(g)} of {n} seeds stopped {' or '.join(sorted(set(g['metrics.stop'])))} "
+                           f"through {_count(g['metrics.sequences'].max())} sequences; {check}.")
     return out
 
 
