@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memzoo.layers.base import MemoryLayer, State
-from memzoo.ops.short_conv import causal_conv, conv_weights
+from memzoo.layers.base import MemoryLayer, State, head_size
+from memzoo.ops.short_conv import causal_conv_stream, conv_weights
 
 def linear(d_in: int, d_out: int, bias: bool = False) -> nn.Linear:
     """A slow projection: torch's default init (as the backbone's GDN), a bias at zero."""
@@ -56,12 +56,7 @@ class DeltaRuleMemory(MemoryLayer):
     def __init__(self, d_model: int, num_heads: int, head_dim: int | None, expand_v: float, conv_size: int,
                  norm_eps: float):
         super().__init__(d_model)
-        if num_heads < 1:
-            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-        if head_dim is None:
-            if d_model % num_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim")
-            head_dim = d_model // num_heads
+        head_dim = head_size(d_model, num_heads, head_dim)
         v_dim = head_dim * expand_v
         if head_dim < 1 or v_dim < 1 or v_dim != int(v_dim):
             raise ValueError(f"head_dim={head_dim} and head_dim * expand_v={v_dim} must be positive integers")
@@ -96,9 +91,7 @@ class DeltaRuleMemory(MemoryLayer):
         """silu(short conv of u [B, T, C] along T, continuing state's history); the new history goes
         into `new`. Without a convolution (conv_size <= 1): silu(u)."""
         if name in self._convs:
-            xp = torch.cat([state[f"conv_{name}"], u], dim=1)
-            new[f"conv_{name}"] = xp[:, xp.shape[1] - (self.conv_size - 1):]
-            u = causal_conv(xp, getattr(self, f"{name}_conv"))
+            u, new[f"conv_{name}"] = causal_conv_stream(u, state[f"conv_{name}"], getattr(self, f"{name}_conv"))
         return F.silu(u)
 
     def rmsnorm(self, o: Tensor, weight: Tensor) -> Tensor:

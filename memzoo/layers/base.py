@@ -124,6 +124,20 @@ def trains_on_cpu(x: Tensor) -> bool:
 
 State = dict[str, Tensor]
 
+
+def head_size(d_model: int, num_heads: int, head_dim: int | None = None) -> int:
+    """The size of a head: `head_dim`, or d_model // num_heads when not given; a bad pair is one
+    clear error naming the fix."""
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    if head_dim is None:
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim")
+        head_dim = d_model // num_heads
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+    return head_dim
+
 #: where a block can run a memory layer, in the order it runs them (MemoryLayer.site)
 SITES = ("before_mixer", "after_mixer", "ffn", "after_ffn")
 

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memzoo.layers.base import MemoryLayer, State
+from memzoo.layers.base import MemoryLayer, State, head_size
 from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
 from memzoo.registry import register_layer
 
@@ -97,16 +97,7 @@ class LinearAttentionMemory(MemoryLayer):
         eps: float = 1e-6,
     ):
         super().__init__(d_model)
-        if num_heads < 1:
-            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-        if head_dim is None:
-            if d_model % num_heads:
-                raise ValueError(
-                    f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim explicitly"
-                )
-            head_dim = d_model // num_heads
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        head_dim = head_size(d_model, num_heads, head_dim)
         if feature_map not in FEATURE_MAPS:
             raise ValueError(f"unknown feature_map {feature_map!r}; choose one of {list(FEATURE_MAPS)}")
         if not eps >= 0:

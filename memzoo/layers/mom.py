@@ -103,7 +103,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memzoo.layers.base import MemoryLayer, State
+from memzoo.layers.base import MemoryLayer, State, head_size
 from memzoo.ops.gated_delta_rule import gated_delta_rule
 from memzoo.ops.short_conv import causal_conv, conv_weights
 from memzoo.registry import register_layer
@@ -172,12 +172,7 @@ class MoM(MemoryLayer):
             raise ValueError(f"num_memories must be >= 1, got {num_memories}")
         if not 1 <= topk <= num_memories:
             raise ValueError(f"topk must be in [1, num_memories={num_memories}], got {topk}")
-        if num_heads < 1:
-            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-        if head_dim is None:
-            if d_model % num_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim")
-            head_dim = d_model // num_heads
+        head_dim = head_size(d_model, num_heads, head_dim)
         v_dim = head_dim * expand_v
         if head_dim < 1 or v_dim < 1 or v_dim != int(v_dim):
             raise ValueError(f"head_dim={head_dim} and head_dim * expand_v={v_dim} must be positive integers")

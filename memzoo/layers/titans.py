@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memzoo.layers.base import MemoryLayer, State, state_precision
+from memzoo.layers.base import MemoryLayer, State, head_size, state_precision
 from memzoo.ops.inner_loop import mlp_backward, mlp_forward
-from memzoo.ops.short_conv import causal_conv, conv_weights
+from memzoo.ops.short_conv import causal_conv_stream, conv_weights
 from memzoo.registry import register_layer
 
 FAST = ("W1", "W2")
@@ -88,13 +88,8 @@ class Titans(MemoryLayer):
     def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, chunk_size: int = 16,
                  expansion: int = 4, max_lr: float = 1.0, conv_size: int = 4, norm_eps: float = 1e-6):
         super().__init__(d_model)
-        if num_heads < 1:
-            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-        if head_dim is None:
-            if d_model % num_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim")
-            head_dim = d_model // num_heads
-        for name, val in (("head_dim", head_dim), ("chunk_size", chunk_size), ("expansion", expansion)):
+        head_dim = head_size(d_model, num_heads, head_dim)
+        for name, val in (("chunk_size", chunk_size), ("expansion", expansion)):
             if val < 1:
                 raise ValueError(f"{name} must be >= 1, got {val}")
         if not max_lr > 0:
@@ -143,9 +138,7 @@ class Titans(MemoryLayer):
 
     def _conv(self, name: str, u: Tensor, state: State, new: State) -> Tensor:
         if self.conv_size > 1:
-            xp = torch.cat([state[f"conv_{name}"], u], dim=1)
-            new[f"conv_{name}"] = xp[:, xp.shape[1] - (self.conv_size - 1):]
-            u = causal_conv(xp, getattr(self, f"{name}_conv"))
+            u, new[f"conv_{name}"] = causal_conv_stream(u, state[f"conv_{name}"], getattr(self, f"{name}_conv"))
         return F.silu(u)
 
     # ---- read (Eq. 15) ---------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from memzoo.layers.base import MemoryLayer, State, state_precision
+from memzoo.layers.base import MemoryLayer, State, head_size, state_precision
 from memzoo.ops.inner_loop import layer_norm
 from memzoo.ops.ttt import KEYS, effective, f_res, ttt_scan
 from memzoo.registry import register_layer
@@ -82,14 +82,7 @@ class TTTLinear(MemoryLayer):
     def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, mini_batch_size: int = 16,
                  base_lr: float = 1.0, norm_eps: float = 1e-6):
         super().__init__(d_model)
-        if num_heads < 1:
-            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-        if head_dim is None:
-            if d_model % num_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim")
-            head_dim = d_model // num_heads
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        head_dim = head_size(d_model, num_heads, head_dim)
         if mini_batch_size < 1:
             raise ValueError(f"mini_batch_size must be >= 1, got {mini_batch_size}")
         if not base_lr > 0:

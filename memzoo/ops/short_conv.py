@@ -37,6 +37,13 @@ def causal_conv(xp: Tensor, w: Tensor) -> Tensor:
     return sum(xp[..., j : j + T, :] * w[j] for j in range(c))
 
 
+def causal_conv_stream(u: Tensor, past: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """`causal_conv` of u [B, T, C] continuing from `past` [B, c-1, C] (the inputs before u): (y [B, T, C],
+    the c-1 inputs a next call continues from)."""
+    xp = torch.cat([past, u], dim=1)
+    return causal_conv(xp, w), xp[:, xp.shape[1] - (w.shape[0] - 1):]
+
+
 def conv_weights(channels: int, size: int) -> Tensor:
     """Weights for :func:`causal_conv`, taps first [size, channels], drawn as nn.Conv1d draws its
     depthwise [channels, 1, size] weight (kaiming-uniform, fan_in = size), from the same numbers."""
