@@ -31,11 +31,15 @@ from memzoo.ops.gated_delta_rule import gated_delta_rule
 from memzoo.registry import register_layer
 
 
+def dt_bias_init(n: int) -> Tensor:
+    """n time-step biases, Mamba-2's init: softplus(dt_bias) ~ logU(1e-3, 1e-1)."""
+    dt = torch.exp(torch.rand(n) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+    return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+
+
 def mamba2_decay_init(n: int) -> tuple[Tensor, Tensor]:
     """(A_log, dt_bias) of n gates, Mamba-2's init: A ~ U(1e-4, 16), softplus(dt_bias) ~ logU(1e-3, 1e-1)."""
-    A_log = torch.empty(n).uniform_(1e-4, 16).log()
-    dt = torch.exp(torch.rand(n) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-    return A_log, dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    return torch.empty(n).uniform_(1e-4, 16).log(), dt_bias_init(n)
 
 
 @register_layer("gated_deltanet")

@@ -9,7 +9,10 @@ The gated delta rule with a decay per key channel instead of per head (Eq. 1, [K
 
 The channel-wise gate (Sec. 3.2, and fla's ``KimiDeltaAttention``): a low-rank projection
 f_t = W_f↑ W_f↓ x_t (rank head_v_dim) and log α_t = −exp(A_log) · softplus(f_t + dt_bias), one A_log
-per head (A ~ U(1, 16)) and one dt_bias per key channel (zeros). k, v, β, the short convolutions and
+per head (A ~ U(1, 16)) and one dt_bias per key channel, initialised as fla's KDA model initialises it
+(``KDAPreTrainedModel._init_weights``: Mamba-2's softplus(dt_bias) ~ logU(1e-3, 1e-1); the layer's own
+zeros, which the model overwrites, start every channel at α = e^{−A·0.69} ≤ 0.5 a token, a memory that
+forgets a pair before its query: at chance in the recall preset at every lr, docs/toys.md). k, v, β, the short convolutions and
 the pointwise query are DeltaNet's (memzoo/layers/deltanet.py); the output gate is low-rank too
 (rank head_v_dim, with a bias), through a sigmoid.
 
@@ -27,6 +30,7 @@ from torch import Tensor, nn
 from memzoo.layers._delta import linear
 from memzoo.layers.base import State
 from memzoo.layers.deltanet import DeltaNet
+from memzoo.layers.gated_deltanet import dt_bias_init
 from memzoo.ops.dplr_delta_rule import dplr_delta_rule
 from memzoo.registry import register_layer
 
@@ -40,7 +44,7 @@ class KimiDeltaAttention(DeltaNet):
         super().__init__(d_model, num_heads, head_dim, expand_v, conv_size, allow_neg_eigval, norm_eps)
         self.f_proj = nn.Sequential(linear(d_model, self.head_v_dim), linear(self.head_v_dim, self.key_dim))
         self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(1, 16).log())
-        self.dt_bias = nn.Parameter(torch.zeros(self.key_dim))
+        self.dt_bias = nn.Parameter(dt_bias_init(self.key_dim))  # as fla's KDA model initialises it
         self.A_log._no_weight_decay = self.dt_bias._no_weight_decay = True
         self.g_proj = nn.Sequential(linear(d_model, self.head_v_dim), linear(self.head_v_dim, self.value_dim, bias=True))
 
