@@ -149,7 +149,7 @@ def test_titans_matches_the_papers_recurrence():
     v = heads(layer._conv("v", layer.v_proj(x), st, new))
     q = F.normalize(F.silu(heads(layer.q_proj(x))), dim=-1)
     gates = torch.sigmoid(layer.gates(x)).unflatten(-1, (3, layer.num_heads)).permute(2, 0, 3, 1)
-    theta, eta, alpha = layer.max_lr * gates[0], gates[1], gates[2]
+    theta, eta, alpha = layer.max_lr * gates[0] / layer.head_dim, gates[1], gates[2]
     M = {"W1": st["W1"], "W2": st["W2"]}
     S = {n: torch.zeros_like(w) for n, w in M.items()}
     reads = []

@@ -14,9 +14,12 @@ keys to values, with the gradient as "surprise" and momentum (Eq. 11-14):
 
 M(x) = silu(x W1) W2 (bias-free, hidden `expansion` × d; the paper gives L_M ≥ 2 layers and no width:
 lucidrains/titans-pytorch's MemoryMLP, depth 2 and expansion 4, decides; SiLU as the paper's other
-non-linearities), W1, W2 of every sequence start from learned slow weights. θ_t = max_lr · σ(w_θ·x_t + b_θ),
+non-linearities), W1, W2 of every sequence start from learned slow weights. θ_t = max_lr · σ(w_θ·x_t + b_θ) / d,
 η_t = σ(w_η·x_t + b_η), α_t = σ(w_α·x_t + b_α), per token and head ("data-dependent", end of Sec. 3.2;
-the paper gives no init: η starts near 0.9, α near 0.02, θ at max_lr / 2).
+the paper gives no init: η starts near 0.9, α near 0.02, θ at max_lr / 2d). The 1/d is lucidrains'
+(its loss averages the squared error over the d features, Eq. 12 sums them): with the sum and no 1/d the
+inner loop diverged on the first batch of the recall preset at every outer lr (the momentum multiplies
+a step by up to 1/(1 − η) = 10, against a curvature of 2‖silu(k W1)‖², ~1 at init).
 
 The parallel form the paper trains with (Sec. 3.2, Eq. 16-18): the sequence is cut into chunks of b
 tokens and every gradient of a chunk is taken at the weights M_{t'} the chunk started from; the
@@ -76,7 +79,7 @@ class Titans(MemoryLayer):
         head_dim: d per head; default D // H.
         chunk_size: b tokens whose gradients are taken at the same weights (16).
         expansion: the memory MLP's hidden size is expansion × d (4).
-        max_lr: θ_t's ceiling (1.0).
+        max_lr: θ_t's ceiling is max_lr / d (1.0).
         conv_size: short-convolution width on k and v (0 or 1 = none).
         norm_eps: eps of the output RMSNorm.
     """
@@ -161,7 +164,7 @@ class Titans(MemoryLayer):
         k = F.normalize(self._heads(self._conv("k", self.k_proj(x).to(sd), state, new)), dim=-1)
         v = self._heads(self._conv("v", self.v_proj(x).to(sd), state, new))
         gates = torch.sigmoid(self.gates(x).to(sd)).unflatten(-1, (3, self.num_heads)).permute(2, 0, 3, 1)
-        theta, eta, alpha = self.max_lr * gates[0], gates[1], gates[2]                 # [B, H, T]
+        theta, eta, alpha = self.max_lr * gates[0] / self.head_dim, gates[1], gates[2]  # [B, H, T]
         M, S = {n: state[n] for n in FAST}, {n: state[f"S{n}"] for n in FAST}
         C = self.chunk_size
         with state_precision(x.device):
