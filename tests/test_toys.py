@@ -911,15 +911,16 @@ def test_a_recall_row_at_chance_or_capped_says_whether_its_long_budget_check_is_
         r["metrics"].update(stop=stop, sequences=64000)
         return {**r, "preset": preset, "suite": "toys"}
 
-    rows = [row(n, s, "solved") for n in (BASELINE, toys.POSITIVE) for s in range(3)]
+    rows = [row(BASELINE, s, "chance") for s in range(3)] + [row(toys.POSITIVE, s, "solved") for s in range(3)]
     rows += [row(toys_report.NEGATIVE, s, "chance") for s in range(3)]  # a control: never read here
     rows += [row("kda", s, stop) for s, stop in enumerate(["solved", "capped", "solved"])]
     rows += [row("mom", s, "chance") for s in range(3)]
     published = rows + [row("mom", 0, "solved", preset=toys_report.LONG)]
     lines = toys_report.reading(pd.json_normalize(rows), published)
     assert lines[1:] == [
+        f"{BASELINE}: every seed stopped chance through 64k sequences: a statement about that budget.",
         "mom: every seed stopped chance through 64k sequences: a statement about that budget.",
         f"kda: 1 of 3 seeds stopped capped through 64k sequences; no long-budget check of it is published yet ({toys_report.LONG}).",
         f"mom: 3 of 3 seeds stopped chance through 64k sequences; its long-budget check is published ({toys_report.LONG}).",
     ]
-    assert toys_report.reading(pd.json_normalize(rows)) == lines[:2]  # without the published rows: as before
+    assert toys_report.reading(pd.json_normalize(rows)) == lines[:3]  # without the published rows: as before
