@@ -108,6 +108,20 @@ def get_layer(name: str) -> type:
         ) from None
 
 
+def family_of(name: str) -> str:
+    """The label (memzoo.layers.base.FAMILIES) of the write-rule family of layer `name`, or of a
+    variant ``layer/variant`` (named after its layer); "" for a name no layer is registered under (the
+    bench's baseline and controls, a layer since removed) and for a layer that names none (a plugin may
+    leave it); a plugin's own key outside FAMILIES shows as itself."""
+    from memzoo.layers.base import FAMILIES
+
+    try:
+        key = get_layer(name.split("/")[0]).family
+    except ValueError:
+        return ""
+    return FAMILIES.get(key, key)
+
+
 def build_layer(name: str, d_model: int, **kwargs) -> "MemoryLayer":
     """Build a registered layer by name; unknown keyword arguments are rejected by name."""
     import inspect

@@ -524,8 +524,9 @@ def test_a_table_row_names_its_layers_write_rule_family():
     follows the layer, a column or the index."""
     import pandas as pd
 
-    from memzoo.bench.report import family, with_family
+    from memzoo.bench.report import with_family
     from memzoo.layers.base import FAMILIES
+    from memzoo.registry import family_of as family
     from memzoo.registry import get_layer
 
     assert family("linear") == "Hebbian outer product" and family("deltanet") == "delta rule"
@@ -533,7 +534,7 @@ def test_a_table_row_names_its_layers_write_rule_family():
     assert family("fwpkm/token") == "sparse slots"
     assert [family(n) for n in (BASELINE, "ctrl:attention", "ctrl:none", "paper/gdn", "gone")] == [""] * 5
     builtin = ["linear", "ba", "mom", "deltanet", "gated_deltanet", "deltaproduct", "kda", "rwkv7", "fwl", "fwmlp",
-               "lact", "pkm", "fwpkm"]  # (a plugin's layer may name none)
+               "lact", "ttt_linear", "ttt_mlp", "titans", "pkm", "fwpkm"]  # (a plugin's layer may name none)
     assert all(get_layer(n).family in FAMILIES for n in builtin)
     assert {family(n) for n in builtin} == set(FAMILIES.values())
     t = with_family(pd.DataFrame({"layer": ["mom", BASELINE], "d_model": [64, 64]}))

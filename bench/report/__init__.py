@@ -25,6 +25,7 @@ from types import ModuleType
 
 from memzoo.bench.common import BASELINE, CONTROLS, RESULTS, read_results
 from memzoo.bench.suites import NAMES, suite
+from memzoo.registry import family_of
 from memzoo.storage import write_text
 
 
@@ -316,26 +317,9 @@ def with_texts(table, texts: dict):
     return table
 
 
-def family(name: str) -> str:
-    """The label (memzoo.layers.base.FAMILIES) of the write-rule family of the layer a table row is
-    about: `name` is a layer or a variant ``layer/variant`` (variants are named after their layer,
-    as ``check_layers`` reads them). "" for the baseline, the controls, a name that is no registered
-    layer (rows of a layer since removed, Table 2's ``paper/...`` configs) and a layer that names no
-    family (a user's plugin may leave it); a plugin's own key outside FAMILIES shows as itself."""
-    from memzoo.layers.base import FAMILIES
-    from memzoo.registry import get_layer
-
-    if name == BASELINE or name in CONTROLS:
-        return ""
-    try:
-        key = get_layer(name.split("/")[0]).family
-    except ValueError:  # not registered
-        return ""
-    return FAMILIES.get(key, key)
-
-
 def with_family(table):
-    """`table` with a ``family`` column (`family` of each row's layer) right after its layer: after
+    """`table` with a ``family`` column (`memzoo.registry.family_of` each row's layer: "" for the
+    baseline and the controls, no registered layers) right after its layer: after
     a ``layer`` column, else first, the layer being the index (a ``layer, corpus`` index: the
     layer's name, then the corpus)."""
     table = table.copy()
@@ -343,7 +327,7 @@ def with_family(table):
         at, names = table.columns.get_loc("layer") + 1, table["layer"]
     else:
         at, names = 0, table.index
-    table.insert(at, "family", [family(str(n).split(" ")[0]) for n in names])
+    table.insert(at, "family", [family_of(str(n).split(" ")[0]) for n in names])
     return table
 
 

@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 
 from memzoo.bench.common import BASELINE, CONTROLS
-from memzoo.bench.report import family
 from memzoo.layers.base import FAMILIES
+from memzoo.registry import family_of
 from memzoo.storage import write_text
 
 #: words in a row that mark it (the toys' stop column): a statement about the budget, or a failure
@@ -145,7 +145,7 @@ def _table(table, tid: str) -> list[str]:
         cells = [table[c].iloc[i] for c in cols]
         text = " ".join(str(v) for v in cells)
         cls = ["row"] + (["ctrl"] if layer in CONTROLS else []) + [m for m in MARKS if m in text]
-        attr = f' data-layer="{_esc(layer)}" data-family="{_esc(family(layer))}"' if layer else ""
+        attr = f' data-layer="{_esc(layer)}" data-family="{_esc(family_of(layer))}"' if layer else ""
         title = f' title="{_esc(", ".join(m for m in MARKS if m in text))}"' if any(m in text for m in MARKS) else ""
         out.append(f'<tr class="{" ".join(cls)}"{attr}{title}>' + "".join(f"<td>{_cell(v)}</td>" for v in cells) + "</tr>")
     out.append("</tbody></table>")
@@ -158,7 +158,7 @@ def write_site(secs: list, rows: list[dict], out: Path) -> Path:
     layers = sorted({r["layer"] for s in secs for r in s.rows if r["layer"] not in CONTROLS},
                     key=lambda n: (n != BASELINE, n))
     labels = list(FAMILIES.values())  # the families of the rows' layers, in FAMILIES' order (a plugin's own last)
-    families = sorted({f for n in layers if (f := family(n))},
+    families = sorted({f for n in layers if (f := family_of(n))},
                       key=lambda f: (labels.index(f) if f in labels else len(labels), f))
     body = [
         "<h1>memzoo leaderboard</h1>",
