@@ -102,8 +102,8 @@ LAYER_TESTS: dict[str, dict] = {
     # iterative: each write is an SGD step on ½‖Sᵀk − v‖², so writing the pairs again corrects what is left
     "deltanet": {"options": dict(num_heads=2, head_dim=16), "iterative": True},
     # silu output gate W_g x (no bias): the memorization property's queries are zero-mean random keys, so
-    # the gate's sign is random per query until W_g learns gates that grow with |x| (200 steps: recall
-    # 0.13, 600: 0.51; without the gate 0.97 in 200)
+    # the gate's sign is random per query until W_g learns gates that grow with |x|: it needs 600 steps
+    # (measured: docs/adding-a-layer.md, "What went wrong the first time")
     "gated_deltanet": {"options": dict(num_heads=2, head_dim=16), "train_steps": 600},
     "deltaproduct": {"options": dict(num_heads=2, head_dim=16, num_householder=2, forget_gate=True),
                      "train_steps": 600},  # the forget gate brings Gated DeltaNet's output gate (above)
@@ -113,8 +113,8 @@ LAYER_TESTS: dict[str, dict] = {
     # sequences); gradient steps on a regression loss, so a second write corrects what the first left
     "ttt_linear": {"options": dict(num_heads=2, head_dim=16, mini_batch_size=4), "iterative": True},
     # the release's base lr (0.1) moves the inner MLP 10x less a step than TTT-Linear's 1.0; and the
-    # suite's brief training lifts the N(0, 0.02)-initialised MLP out of its flat start slowly (200 steps:
-    # recall 0.13, 600: 0.93)
+    # suite's brief training lifts the N(0, 0.02)-initialised MLP out of its flat start slowly: 600 steps
+    # (measured: docs/adding-a-layer.md, "What went wrong the first time")
     "ttt_mlp": {"options": dict(num_heads=2, head_dim=16, mini_batch_size=4, expansion=2, base_lr=1.0),
                 "iterative": True, "train_steps": 600},
     "titans": {"options": dict(num_heads=2, head_dim=16, chunk_size=4, expansion=2), "iterative": True},
