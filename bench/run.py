@@ -32,7 +32,7 @@ from pathlib import Path
 
 from memzoo.bench.common import (BASELINE, Context, Recorder, check_layers, compile_cache, load_preset, published_rows,
                                   read_results)
-from memzoo.bench.report import print_notes, print_tables
+from memzoo.bench.report import print_closing, print_notes, print_tables
 from memzoo.bench.suites import NAMES, suite
 from memzoo.config import ConfigError
 
@@ -384,6 +384,8 @@ def run_bench(
     shown = _with_recorded(rec, names, todo) if resume else rec.rows
     print_tables(shown)
     print_notes(shown, published_beside(rec.path), todo)
+    if not failed:
+        print_closing(shown, names, rec.preset)
     for r in failed:
         print(f"memzoo bench: FAILED {r['setting']['suite']} {r['layer']} {' '.join(map(str, r['setting']['part'] or []))}: "
               f"{r['metrics']['error']} (traceback: {r['metrics']['log']})", file=sys.stderr)

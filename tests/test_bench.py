@@ -684,7 +684,7 @@ def test_a_preset_names_the_suites_a_bench_without_suite_runs(tmp_path):
     from memzoo.bench.run import parse_suites
 
     tiny = load_preset("tiny")
-    assert tiny.default_suites == ("cost", "toys", "ppl")  # the main job: no tables it cannot show
+    assert tiny.default_suites == ("cost", "toys")  # the main job: no tables it cannot show in minutes
     assert load_preset("standard").default_suites == ("cost", "toys", "ppl", "niah") == tuple(parse_suites(""))
     assert load_preset("standard").settings("ppl", __import__("memzoo.bench.suites.ppl", fromlist=["x"]).Settings).passages == 32
     bad = tmp_path / "bad.yaml"
@@ -739,7 +739,7 @@ def test_a_dry_run_lists_the_cells_marks_the_recorded_and_estimates_from_the_row
     from memzoo.bench.run import run_bench
 
     micro = tmp_path / "micro.yaml"
-    micro.write_text(yaml.safe_dump({"base": "tiny", "toys": {"max_steps": 4, "eval_every": 2, "batch_size": 4,
+    micro.write_text(yaml.safe_dump({"base": "_base", "toys": {"max_steps": 4, "eval_every": 2, "batch_size": 4,
                                                               "val_size": 4, "test_size": 4, "lrs": [1e-2, 3e-2]}}))
     out = tmp_path / "out"
     assert run_bench("linear", "toys", str(micro), out=out, work_dir=tmp_path / "w", progress=False, dry_run=True,
@@ -808,7 +808,7 @@ def test_gpu_check_pack_counts_cells_an_hour_at_each_jobs(tmp_path):
     """The pack step's mechanics on the CPU: one run per --jobs, each cold, its cells an hour."""
     from memzoo.bench import gpu_check
 
-    tiny = {"base": "tiny", "toys": {"seeds": 1, "max_steps": 2, "min_steps": 2, "eval_every": 1, "val_size": 4,
+    tiny = {"base": "_base", "toys": {"seeds": 1, "max_steps": 2, "min_steps": 2, "eval_every": 1, "val_size": 4,
                                      "test_size": 4, "batch_size": 4}}
     res = gpu_check.pack(tmp_path, device="cpu", jobs=(1, 2), layers="linear", preset=tiny)
     assert [r["jobs"] for r in res["runs"]] == [1, 2]

@@ -113,7 +113,7 @@ def test_every_shipped_config_loads():
 
 
 def _preset(tmp_path, **changes) -> str:
-    data = yaml.safe_load((CONFIGS / "bench" / "tiny.yaml").read_text())
+    data = yaml.safe_load((CONFIGS / "bench" / "_base.yaml").read_text())  # the full sections
     for key, value in changes.items():
         section, _, name = key.partition("__")
         data[section][name] = value
@@ -143,7 +143,7 @@ def test_malformed_preset_names_file_and_line(tmp_path):
 
 @pytest.mark.parametrize("old", ["backbone", "lm"])
 def test_preset_unknown_section_is_named(tmp_path, old):
-    data = yaml.safe_load((CONFIGS / "bench" / "tiny.yaml").read_text())
+    data = yaml.safe_load((CONFIGS / "bench" / "_base.yaml").read_text())  # the full sections
     data[old] = data.pop({"backbone": "model", "lm": "train"}[old])
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -150,7 +150,7 @@ def test_a_worker_killed_mid_cell_leaves_that_cell_failed_and_the_run_going(tmp_
     try:
         importlib.import_module("killer_plugin")
         preset = tmp_path / "p.yaml"
-        preset.write_text(yaml.safe_dump({"base": "tiny", "toys": {**TOYS, "tasks": ["mqar"], "widths": [16], "seeds": 1,
+        preset.write_text(yaml.safe_dump({"base": "_base", "toys": {**TOYS, "tasks": ["mqar"], "widths": [16], "seeds": 1,
                                                                   "lrs": [1e-2]}}))
         kw = dict(suites="toys", preset=str(preset), out=tmp_path / "out", work_dir=tmp_path / "work", progress=False,
                   jobs=2)

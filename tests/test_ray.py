@@ -67,7 +67,7 @@ def cluster(shared):
 
 def _preset(tmp_path, **toys) -> str:
     path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump({"base": "tiny", "toys": {**TOYS, "tasks": ["mqar"], "widths": [16], "seeds": 1,
+    path.write_text(yaml.safe_dump({"base": "_base", "toys": {**TOYS, "tasks": ["mqar"], "widths": [16], "seeds": 1,
                                                             "lrs": [1e-2], **toys}}))
     return str(path)
 

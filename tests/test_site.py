@@ -74,8 +74,46 @@ def test_the_page_loads_with_every_section_and_no_error_or_request_off_the_machi
     assert colours is not None and len(colours) > 20  # text, tables and marks, not a blank page
 
 
+def test_the_page_opens_on_the_overview_whose_cells_link_to_their_sections(browser):
+    """The first section and table are the overview; every linked cell lands on a section that
+    holds a row of the cell's layer, and following one scrolls there."""
+    assert browser.find_element("css selector", "section").get_attribute("id") == "overview"
+    first = browser.find_element("css selector", "table")
+    assert first.get_attribute("id") == "overview-table"
+    header = [h.text for h in first.find_elements("css selector", "th")]
+    assert header[:2] == ["layer", "family"] and any(h.startswith("recall") for h in header)
+    checked = browser.execute_script("""
+        const out = [];
+        document.querySelectorAll('#overview-table td a').forEach(a => {
+          const layer = a.closest('tr').dataset.layer, id = a.getAttribute('href').slice(1);
+          const sec = document.getElementById(id);
+          out.push([layer, id, !!sec && sec.tagName === 'SECTION' && id !== 'overview'
+                    && !!sec.querySelector(`tr.row[data-layer="${CSS.escape(layer)}"]`)]);
+        });
+        return out;""")
+    assert len(checked) > 20 and all(ok for *_, ok in checked), [c for c in checked if not c[2]][:5]
+    assert {"baseline", "ctrl:attention"} <= {layer for layer, *_ in checked}
+    layer, target, _ = next(c for c in checked if c[0] == "mom")
+    link = first.find_element("css selector", f'tr[data-layer="mom"] a[href="#{target}"]')
+    link.click()
+    assert browser.execute_script("return location.hash") == f"#{target}"
+    top = browser.execute_script(f"return document.getElementById('{target}').getBoundingClientRect().top")
+    assert 0 <= top < 200  # scrolled to its section (below the sticky filter bar)
+    browser.execute_script("window.scrollTo(0, 0)")
+
+
+def test_the_readme_opens_on_the_overview_whose_links_name_its_sections():
+    text = (ROOT / "leaderboards" / "README.md").read_text()
+    heads = [line for line in text.splitlines() if line.startswith("## ")]
+    assert heads[0] == "## Overview"
+    ids = set(re.findall(r'<a id="([^"]+)"></a>', text))
+    overview = text.split("## Overview", 1)[1].split("<a id=", 1)[0]
+    targets = set(re.findall(r"\]\(#([^)]+)\)", overview))
+    assert len(targets) >= 5 and targets <= ids
+
+
 def test_sorting_a_column_reorders_its_rows(browser):
-    table = browser.find_element("css selector", "table")
+    table = browser.find_element("css selector", "section:not(#overview) table")
     header = table.find_elements("css selector", "th")
     col = next(i for i, h in enumerate(header) if h.text.strip() in ("mean", "params (M)", "tokens/s", "params"))
     before = [r.find_elements("css selector", "td")[col].text for r in _visible_rows(table)]
@@ -151,7 +189,9 @@ def test_filtering_to_one_family_leaves_its_layers_rows_and_the_controls(family_
 
 
 def test_a_row_opens_its_provenance(browser):
-    row = next(r for r in browser.find_elements("css selector", "tr.row[data-layer]") if r.is_displayed())
+    row = next(r for r in browser.find_elements("css selector", "section:not(#overview) tr.row[data-layer]")
+               if r.is_displayed())
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", row)
     row.click()
     prov = row.find_element("xpath", "following-sibling::tr[1]")
     assert "prov" in prov.get_attribute("class") and prov.is_displayed()

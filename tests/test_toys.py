@@ -13,7 +13,7 @@ import memzoo.layers  # noqa: F401  (registers the layers)
 from memzoo.bench.suites import toys
 from memzoo.bench.report import toys as toys_report
 from memzoo.backbone.model import HybridLM
-from memzoo.bench.common import BASELINE, Context, Recorder, load_preset, mean_ci
+from memzoo.bench.common import BASELINE, POSITIVE, Context, Recorder, load_preset, mean_ci
 from memzoo.config import ConfigError
 from memzoo.data import mqar
 
@@ -147,9 +147,22 @@ def _ctx(tmp_path, resume=False, **over):
     return Context(preset=preset, seed=0, recorder=rec, work_dir=tmp_path / "work", progress=False, resume=resume)
 
 
-def test_defaults_are_the_tiny_preset():
-    assert load_preset("tiny").settings("toys", toys.Settings) == toys.Settings()
+def test_defaults_are_the_common_base_and_the_main_job_gives_every_lr_a_reason():
+    assert load_preset("_base").settings("toys", toys.Settings) == toys.Settings()
     load_preset("paper").settings("toys", toys.Settings).check()
+    tiny = load_preset("tiny").settings("toys", toys.Settings)
+    tiny.check()
+    # the main job: every lr a layer is given alone cites the published rows it comes from
+    assert set(tiny.layer_lrs) <= set(tiny.lr_from) and all(len(v) == 1 for v in tiny.layer_lrs.values())
+    assert tiny.origin("mom").startswith("recall") and tiny.origin("deltanet") == tiny.lr_from["*"]
+    assert toys.Settings().origin("mom") == "one lr given"
+    assert toys.Settings(lrs=[1e-3, 3e-3]).origin("mom") == "chosen on validation among 2"
+    # what the main job chooses for itself stays out of the presets based on the common base
+    for name in ("standard", "recall", "capacity"):
+        s = load_preset(name).settings("toys", toys.Settings)
+        assert not s.lr_from and "mom" not in s.layer_lrs, name
+    with pytest.raises(ConfigError, match="lr_from: unknown layer"):
+        toys.Settings(lr_from={"nosuch": "x"}).check()
 
 
 def test_settings_are_checked(tmp_path):
@@ -924,3 +937,30 @@ def test_a_recall_row_at_chance_or_capped_says_whether_its_long_budget_check_is_
         f"mom: 3 of 3 seeds stopped chance through 64k sequences; its long-budget check is published ({toys_report.LONG}).",
     ]
     assert toys_report.reading(pd.json_normalize(rows)) == lines[:3]  # without the published rows: as before
+
+
+def test_a_runs_closing_lines_say_what_it_showed_where_the_tables_are_and_the_published_command(capsys):
+    """The end of a run's output: which layers left chance (a layer that did not is "at chance
+    through" its budget), or that the harness is invalid and nothing is judged; then the tables and
+    the command that measures the same at the published budget."""
+    from memzoo.bench.report import frame, print_closing
+
+    def row(layer, acc, mem=100, seed=0):
+        return {"suite": "toys", "preset": "tiny", "layer": layer, "seed": seed, "time": "t", "run_id": "r",
+                "git_sha": "x", "config": {}, "hardware": {"cpu": "c"},
+                "setting": {"task": "mqar", "d_model": 64, "route": "memory"},
+                "metrics": {"accuracy": acc, "chance": 0.03, "acc_by_kv": {"2": acc, "4": acc}, "sequences": 20800,
+                            "mem_state": mem, "stop": "plateau"}}
+
+    rows = [row(POSITIVE, 0.999, 0), row(toys_report.NEGATIVE, 0.03, 0), row(BASELINE, 0.031, 0),
+            row("mom", 0.3), row("lact", 0.032), row("fwpkm/token", 0.95)]
+    assert toys_report.summary(frame(rows)) == (
+        "recall (MQAR with the memory the only route; the controls valid): left chance: fwpkm/token 0.950, mom 0.300; "
+        "at chance through 20.8k sequences (a budget, not a verdict): lact")
+    print_closing(rows, [BASELINE, "fwpkm", "mom", "lact"], "tiny")
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 3 and out[0].startswith("What this run showed (tiny preset): recall (MQAR")
+    assert "leaderboards/site/index.html" in out[1]
+    assert out[2].endswith("memzoo bench --preset recall --layers fwpkm,mom,lact --suite toys --resume")
+    bad = [row(POSITIVE, 0.5, 0), *rows[1:]]
+    assert "the harness is INVALID (the positive control reaches only 0.500" in toys_report.summary(frame(bad))

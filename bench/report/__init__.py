@@ -4,7 +4,9 @@
 `memzoo bench` prints the same tables of the rows it measured. Each suite's half is a module
 here (``report.toys``, ...): ``tables(df)``, ``figures(df, out_dir)``, ``NOTE`` (the reading
 note: protocol text, no measured number) and optionally ``notes(rows, published)`` (lines
-printed under a run's tables). The suites themselves (``bench/suites/``) only measure.
+printed under a run's tables), ``summary(df)`` (its clause of the line that ends a run's output,
+`print_closing`) and ``headline(section)`` (its cells of the overview that opens the leaderboard,
+``report.overview``). The suites themselves (``bench/suites/``) only measure.
 
 Rendering reads nothing but results.jsonl, so the published tables and plots can always be
 regenerated and checked: the same file gives the same bytes (sorted rows, no clock, PNGs
@@ -159,6 +161,7 @@ class Section:
     figures: list  # paths of the PNGs drawn
     problems: list | None  # what makes the harness invalid here (empty: valid; None: no harness check)
     rows: list  # the rows shown
+    anchor: str = ""  # its id in both renderings (README.md's `<a id>`, the page's section), from the heading
 
 
 def sections(rows: list[dict], out: Path) -> list[Section]:
@@ -170,16 +173,28 @@ def sections(rows: list[dict], out: Path) -> list[Section]:
     if unknown:
         warnings.warn(f"rows of unknown suite(s) {', '.join(unknown)} are not rendered", stacklevel=2)
     out_sections = []
+    anchors: set[str] = set()
     for name, preset, mod, df, shown in _groups(rows, with_rows=True):
         heading = section_name(name, preset, shown, rows)
+        anchor = base = anchor_of(heading)
+        while anchor in anchors:
+            anchor = f"{base}-{len(anchors)}"
+        anchors.add(anchor)
         out_sections.append(Section(
             suite=name, preset=preset, heading=heading,
             lead=(suite(name).__doc__ or "").strip().split("\n\n")[0],
             provenance=provenance(shown), tables=mod.tables(df), note=getattr(mod, "NOTE", "").strip(),
             reading=list(_reading(mod, df, rows)),
             figures=list(mod.figures(df, out / "figures" / _folder(heading, preset))),
-            problems=getattr(mod, "problems", lambda df: None)(df), rows=shown))
+            problems=getattr(mod, "problems", lambda df: None)(df), rows=shown, anchor=anchor))
     return out_sections
+
+
+def anchor_of(heading: str) -> str:
+    """A section's id: its heading's words, lower case, joined by hyphens ("toys-recall-amd-epyc")."""
+    import re
+
+    return "-".join(re.findall(r"[a-z0-9]+", heading.replace("preset", "").replace("(R)", "").lower()))
 
 
 def _reading(mod, df, rows: list[dict]) -> list[str]:
@@ -197,6 +212,9 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
     `out_dir`); return the paths. Figures no section draws any more are removed."""
     import matplotlib
 
+    from memzoo.bench.report.overview import NOTE as OVERVIEW_NOTE
+    from memzoo.bench.report.overview import markdown as overview_markdown
+    from memzoo.bench.report.overview import overview
     from memzoo.bench.report.site import write_site
 
     matplotlib.use("Agg")
@@ -206,6 +224,7 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
     if not rows:
         raise FileNotFoundError(f"no results in {results}: run `memzoo bench` first")
     secs = sections(rows, out)
+    ov = overview(secs)
     written = [p for sec in secs for p in sec.figures]
     lines = [
         "# memzoo leaderboard",
@@ -215,9 +234,15 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
         "versions and hardware are in the JSONL). Where a setting was measured more than once, the latest",
         "row is shown. To sort, filter and open each row's provenance: `site/index.html` (open it in a browser).",
         "",
+        "## Overview",
+        "",
+        OVERVIEW_NOTE,
+        "",
+        overview_markdown(ov),
+        "",
     ]
     for sec in secs:
-        lines += [f"## {sec.heading}", "", sec.lead, "", sec.provenance, ""]
+        lines += [f'<a id="{sec.anchor}"></a>', "", f"## {sec.heading}", "", sec.lead, "", sec.provenance, ""]
         for title, table in sec.tables.items():
             lines += [f"**{title}**", "", markdown(table), ""]
         if sec.note:
@@ -228,7 +253,7 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
     lines += ["## Runs", "", *_runs_table(rows), ""]
     readme = out / "README.md"
     write_text(readme, "\n".join(lines))
-    site = write_site(secs, rows, out)
+    site = write_site(secs, rows, out, ov)
     for stale in sorted((out / "figures").rglob("*.png")) if (out / "figures").is_dir() else []:
         if stale not in written:  # a figure no section draws any more (a section renamed or withheld)
             stale.unlink()
@@ -268,6 +293,20 @@ def print_tables(rows: list[dict]) -> None:
             print()
         if lines := list(getattr(mod, "reading", lambda df: [])(df)):
             print("\n".join(f"- {line}" for line in lines) + "\n")
+
+
+def print_closing(rows: list[dict], layers: list[str], preset: str, published_preset: str = "recall") -> None:
+    """The three lines that end a run's output: what it showed (each suite's `summary`), where the
+    full tables are, and the command that measures the same layers at the published budget."""
+    said = []
+    for name, _, mod, df in _groups(rows):
+        if (fn := getattr(mod, "summary", None)) and (line := fn(df)):
+            said.append(line)
+    print(f"What this run showed ({preset} preset): " + ("; ".join(said) if said else "no rows") + ".")
+    print("The full tables, every published row beside the controls: leaderboards/README.md (it opens on an "
+          "overview of every layer) and the page leaderboards/site/index.html (open it in a browser).")
+    print(f"The same at the published budget (3 seeds, each lr chosen on validation; hours on 2 cores, resumable): "
+          f"memzoo bench --preset {published_preset} --layers {','.join(n for n in layers if n != BASELINE)} --suite toys --resume")
 
 
 def print_notes(rows: list[dict], published: list[dict], suites: list[str]) -> None:

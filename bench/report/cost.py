@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from memzoo.bench.common import BASELINE
-from memzoo.bench.report import save_png, with_family
+from memzoo.bench.report import machine, save_png, with_family
 
 NOTE = """\
 **The two FLOPs columns.** *Table-2 style* is the paper's accounting, which we reconstructed and
@@ -109,6 +110,9 @@ def _layers(df):
         quiet_base = _col(df, "flops_per_s")[(df["layer"] == BASELINE) & ~noisy].max()
         base = _col(df, "baseline_flops_per_s_beside").fillna(quiet_base)
         t[f"× baseline's {u}FLOP/s"] = (_col(df, "flops_per_s") / base).round(2).where(~noisy)  # not from a noisy timing
+        # throughput against the baseline's timed beside it (the same step shape), else its row's
+        base_step = _col(df, "baseline_step_s_beside").fillna(_col(df, "step_s")[(df["layer"] == BASELINE) & ~noisy].min())
+        t["× baseline's tokens/s"] = (base_step / _col(df, "step_s")).round(2).where(~noisy)
         t[f"peak {u}FLOP/s"] = (_col(df, "peak_flops_per_s") / sc).round(1)
         t["MFU %"] = (100 * _col(df, "mfu")).round(2).where(~noisy)
         if noisy.any():
@@ -177,3 +181,31 @@ def reading(df) -> list[str]:
     noisy = df[df["metrics.noisy"].notna() & (df["metrics.noisy"] != "")]
     name = lambda r: r["setting.config"] if isinstance(r.get("setting.config"), str) else r["layer"]  # noqa: E731
     return [f"{name(r)}: a noisy timing ({r['metrics.noisy']}), kept out of the ratio columns" for _, r in noisy.iterrows()]
+
+
+def headline(sec) -> dict:
+    """The overview's cost cell (`report.overview`): training throughput against the baseline's
+    (the table's paired column), and the parameters; ranked by the layers the section times (most
+    first: one machine's comparison of all of them), then the time of the rows."""
+    title = next((t for t in sec.tables if t.startswith("Cost per layer")), None)
+    col = "× baseline's tokens/s"
+    if title is None or col not in sec.tables[title].columns:
+        return {}
+    t = sec.tables[title].dropna(subset=[col])
+    rank = (len(t), max(r["time"] for r in sec.rows))
+    where = " ".join(re.sub(r"\((R|TM)\)|\bProcessor\b|\bCPU\b", " ", machine(sec.rows[0])).split())
+    return {"cost: training tokens/s × baseline's": {
+        layer: (rank, f"{t.loc[layer, col]:.2f}× · {t.loc[layer, 'params (M)']:.2f} M params ({sec.preset}, {where})")
+        for layer in t.index}}
+
+
+def summary(df) -> str:
+    """One clause of what a run's cost rows show: each layer's training throughput against the
+    baseline's (the table's paired column)."""
+    tables_ = tables(df)
+    t = next((t for title, t in tables_.items() if title.startswith("Cost per layer")), None)
+    col = "× baseline's tokens/s"
+    if t is None or col not in t.columns:
+        return ""
+    parts = [f"{layer} {t.loc[layer, col]:.2f}x" for layer in t.index if layer != BASELINE and t.loc[layer, col] == t.loc[layer, col]]
+    return f"cost: training tokens/s against the baseline's: {', '.join(parts)}" if parts else ""

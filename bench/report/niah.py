@@ -279,3 +279,22 @@ def reading(df) -> list[str]:
 def problems(df) -> list[str]:
     """What makes the harness invalid in this section (empty: valid)."""
     return validity(df)
+
+
+def headline(sec) -> dict:
+    """The overview's NIAH cell (`report.overview`): exact match (%) with one memorization pass at
+    each length, marked as its table marks it; ranked by the seeds, then a preset other than the
+    tiny one, the lengths measured and the time of the rows."""
+    title = next((t for t in sec.tables if t.startswith("NIAH exact-match")), None)
+    if title is None:
+        return {}
+    t = sec.tables[title]
+    cols = [c for c in t.columns if str(c).endswith(" x1")]
+    rank = (len({r["seed"] for r in sec.rows}), sec.preset != "tiny", len(cols), max(r["time"] for r in sec.rows))
+
+    def short(text: str) -> str:
+        return text.split(" [")[0] + "".join(m for m in (" ▲", " ▼") if m.strip() in text)
+
+    return {"NIAH: exact match % by length": {
+        layer: (rank, " · ".join(f"{c[:-3]}: {short(str(t.loc[layer, c]))}" for c in cols if str(t.loc[layer, c]))
+                + f" ({sec.preset})") for layer in t.index}}

@@ -279,3 +279,21 @@ def problems(df) -> list[str] | None:
     no probe (its losses have no control with a known answer)."""
     probe = df[df["setting.corpus"] == "repeat"]
     return None if probe.empty else validity(probe)
+
+
+def headline(sec) -> dict:
+    """The overview's PPL cells (`report.overview`): the carried-state gain on the first corpus
+    and the repeated-passage probe's gain, as their tables show them; ranked by the seeds, then a
+    preset other than the tiny one, then the time of the rows."""
+    out = {}
+    seeds = len({r["seed"] for r in sec.rows})
+    rank = (seeds, sec.preset != "tiny", max(r["time"] for r in sec.rows))
+    for title, t in sec.tables.items():
+        if title.startswith("Loss"):
+            col = next((c for c in t.columns if str(c).endswith(" gain")), None)
+            if col is not None:
+                out["PPL: carried-state gain (nats)"] = {
+                    layer: (rank, f"{t.loc[layer, col]} ({col[:-len(' gain')]}, {sec.preset})") for layer in t.index}
+        elif title.startswith("Repeated-passage probe"):
+            out["PPL: re-reading gain (nats)"] = {layer: (rank, f"{t.loc[layer, 'gain']} ({sec.preset})") for layer in t.index}
+    return out

@@ -42,7 +42,7 @@ tr.prov td { text-align: left; white-space: pre-wrap; background: #fafafa; font:
 .up { color: #0a7d2c; font-weight: 600; } .down { color: #b00020; font-weight: 600; }
 .valid { color: #0a7d2c; } .invalid { color: #b00020; font-weight: 600; } .unchecked { color: #666; }
 .prov-line, .lead { color: #555; } img { max-width: 100%; border: 1px solid #eee; margin: .5em 0; }
-.note { max-width: 60em; } section { scroll-margin-top: 4.5em; }
+.note { max-width: 60em; } #overview-table td, #overview-table th { text-align: left; } section { scroll-margin-top: 4.5em; }
 """
 
 SCRIPT = """
@@ -82,6 +82,7 @@ document.addEventListener('DOMContentLoaded', () => {
     const p = r.nextElementSibling;
     if (p && p.classList.contains('prov')) { p.hidden = !p.hidden; return; }
     const blob = r.closest('section').querySelector('script.provenance');
+    if (!blob) return;  // the overview: its cells link to the sections, whose rows open
     const text = (JSON.parse(blob.textContent)[r.dataset.layer]) || '(no provenance: a row of several layers)';
     const tr = document.createElement('tr'), td = document.createElement('td');
     tr.className = 'prov'; td.colSpan = r.cells.length; td.textContent = text;
@@ -133,7 +134,9 @@ def _provenance(rows: list[dict], layer: str) -> str:
     return "\n".join(lines)
 
 
-def _table(table, tid: str) -> list[str]:
+def _table(table, tid: str, links: dict | None = None) -> list[str]:
+    """A table's rows with their layer and family (for the filters) and marks; with `links`
+    ((layer, column) -> a section's anchor), those cells link to their sections."""
     import pandas as pd
 
     if not isinstance(table.index, pd.RangeIndex):
@@ -147,14 +150,23 @@ def _table(table, tid: str) -> list[str]:
         cls = ["row"] + (["ctrl"] if layer in CONTROLS else []) + [m for m in MARKS if m in text]
         attr = f' data-layer="{_esc(layer)}" data-family="{_esc(family_of(layer))}"' if layer else ""
         title = f' title="{_esc(", ".join(m for m in MARKS if m in text))}"' if any(m in text for m in MARKS) else ""
-        out.append(f'<tr class="{" ".join(cls)}"{attr}{title}>' + "".join(f"<td>{_cell(v)}</td>" for v in cells) + "</tr>")
+        tds = []
+        for c, v in zip(cols, cells):
+            anchor = (links or {}).get((layer, c))
+            text = _cell(v)
+            tds.append(f'<td><a href="#{_esc(anchor)}">{text}</a></td>' if anchor and text else f"<td>{text}</td>")
+        out.append(f'<tr class="{" ".join(cls)}"{attr}{title}>' + "".join(tds) + "</tr>")
     out.append("</tbody></table>")
     return out
 
 
-def write_site(secs: list, rows: list[dict], out: Path) -> Path:
-    """Write ``out/site/index.html`` for the sections `secs` (:func:`memzoo.bench.report.sections`);
-    figures are linked from ``out/figures``. The same sections give the same bytes."""
+def write_site(secs: list, rows: list[dict], out: Path, ov=None) -> Path:
+    """Write ``out/site/index.html`` for the sections `secs` (:func:`memzoo.bench.report.sections`),
+    opening on their overview `ov` (:func:`memzoo.bench.report.overview.overview`); figures are
+    linked from ``out/figures``. The same sections give the same bytes."""
+    from memzoo.bench.report.overview import NOTE, overview
+
+    ov = ov if ov is not None else overview(secs)
     layers = sorted({r["layer"] for s in secs for r in s.rows if r["layer"] not in CONTROLS},
                     key=lambda n: (n != BASELINE, n))
     labels = list(FAMILIES.values())  # the families of the rows' layers, in FAMILIES' order (a plugin's own last)
@@ -171,10 +183,15 @@ def write_site(secs: list, rows: list[dict], out: Path) -> Path:
         + "".join(f'<option value="{_esc(n)}">{_esc(n)}</option>' for n in layers) + "</select></label> &nbsp; "
         + '<label>Family: <select id="family"><option value="">all families</option>'
         + "".join(f'<option value="{_esc(f)}">{_esc(f)}</option>' for f in families) + "</select></label> &nbsp; <nav>"
-        + "".join(f'<a href="#s{i}">{_esc(s.heading.replace("`", ""))}</a>' for i, s in enumerate(secs)) + "</nav></div>",
+        + '<a href="#overview">Overview</a>'
+        + "".join(f'<a href="#{_esc(s.anchor)}">{_esc(s.heading.replace("`", ""))}</a>' for s in secs) + "</nav></div>",
+        '<section id="overview"><h2>Overview</h2>',
+        '<div class="note">' + "".join(f"<p>{_esc(p)}</p>" for p in NOTE.split("\n\n")) + "</div>",
+        *_table(ov.table, "overview-table", ov.links),
+        "</section>",
     ]
     for i, s in enumerate(secs):
-        body.append(f'<section id="s{i}"><h2>{_esc(s.heading.replace("`", ""))}</h2>')
+        body.append(f'<section id="{_esc(s.anchor)}"><h2>{_esc(s.heading.replace("`", ""))}</h2>')
         body.append(f'<p class="lead">{_esc(s.lead)}</p>')
         if s.problems is None:
             body.append('<p class="validity unchecked">No harness check for this section (no controls here).</p>')

@@ -199,6 +199,8 @@ def _task_table(df, task: str, slice_name: str):
             stops = g["metrics.stop"].value_counts()
             rec["stop"] = ", ".join(f"{n} {k}" for k, n in sorted(stops.items()))
             rec["lr"] = _lrs(g)
+            if "metrics.lr_from" in d:  # rows since the main job cites where its lrs come from
+                rec["lr from"] = ", ".join(sorted(set(g["metrics.lr_from"].dropna()))) if "metrics.lr_from" in g else ""
             if "metrics.left_chance_at_by_lr" in g or any(c.startswith("metrics.left_chance_at_by_lr.") for c in g):
                 rec["val by lr (left chance at)"] = _by_lr(g)
             rec["state"] = int(g["metrics.state_size"].iloc[0])
@@ -515,3 +517,56 @@ def reading(df, published: list[dict] | None = None) -> list[str]:
 def problems(df) -> list[str]:
     """What makes the harness invalid in this section, task by task (empty: valid)."""
     return [f"{task}: {p}" for task in TASKS if task in set(df["setting.task"]) for p in validity(df, task)]
+
+
+def headline(sec) -> dict:
+    """The overview's recall cells (`report.overview`): per layer, the MQAR mean over slices as its
+    table shows it, and its seeds' stops and the budget's cap. Ranked so that a layer's cell comes
+    from its longest published budget: the memory the only route first, then the cap (sequences),
+    the seeds and the time of the rows."""
+    title = next((t for t in sec.tables if t.startswith(TITLES["mqar"][0])), None)
+    if title is None:
+        return {}
+    memory = MEMORY_ROUTE in title
+    mqar = [r for r in sec.rows if r["setting"].get("task") == "mqar"]
+    caps = [r["config"]["train"]["max_steps"] * r["config"]["train"]["batch_size"] for r in mqar
+            if "max_steps" in r["config"].get("train", {})]
+    cap = max(caps, default=max(r["metrics"].get("sequences", 0) for r in mqar))
+    when = max(r["time"] for r in mqar)
+    mean, stops = {}, {}
+    for _, rec in sec.tables[title].sort_values("d_model").iterrows():  # a layer's widest row stays
+        rank = (memory, cap, int(rec["seeds"]), when)
+        route = "" if memory else ", behind a GDN"
+        mean[rec["layer"]] = (rank, rec["mean"])
+        stops[rec["layer"]] = (rank, f"{rec['left chance']} left chance; {rec['stop']}; cap {_count(cap)} "
+                                     f"sequences{route} ({sec.preset})")
+    return {"recall: MQAR accuracy": mean, "recall: seeds, stops, budget": stops}
+
+
+def summary(df) -> str:
+    """One sentence of what a run's MQAR rows show, for the end of its output: the harness's
+    validity, then which layers left chance (their mean test accuracy) and which did not (through
+    how many sequences: a budget, not a verdict)."""
+    d = df[df["setting.task"] == "mqar"] if "setting.task" in df else df.iloc[0:0]
+    if d.empty:
+        return ""
+    bad = validity(df, "mqar")
+    if bad:
+        return f"recall (MQAR): the harness is INVALID ({'; '.join(bad)}), so no layer is judged"
+    left, stayed = [], []
+    for layer in layer_order(d["layer"]):
+        if layer in CONTROLS or layer == BASELINE:
+            continue
+        g = d[d["layer"] == layer]
+        n = int((g["metrics.accuracy"] > 2 * g["metrics.chance"]).sum())
+        if n:
+            left.append(f"{layer} {g['metrics.accuracy'].mean():.3f}" + ("" if n == len(g) else f" ({n}/{len(g)} seeds)"))
+        else:
+            stayed.append(layer)
+    route = " with the memory the only route" if (d.get("setting.route") == "memory").any() else ""
+    out = f"recall (MQAR{route}; the controls valid): "
+    out += (f"left chance: {', '.join(left)}" if left else "no layer left chance")
+    if stayed:
+        most = _count(d[d["layer"].isin(stayed)]["metrics.sequences"].max())
+        out += f"; at chance through {most} sequences (a budget, not a verdict): {', '.join(stayed)}"
+    return out

@@ -138,6 +138,10 @@ class Settings:
     seeds: int = 1
     lrs: list = field(default_factory=lambda: [3e-3])  # candidates, chosen on validation (ties: the first)
     layer_lrs: dict = field(default_factory=dict)  # a layer's (or control's) own candidates
+    # why a layer's lrs are what they are, shown beside its row ("lr from"): e.g. the published row
+    # whose validation chose it; "*": the layers given `lrs`; otherwise "chosen on validation" (a grid)
+    # or "one lr given"
+    lr_from: dict = field(default_factory=dict)
     max_steps: int = 2500  # the cap
     eval_every: int = 50
     patience: int = 6  # evaluations without a gain of min_delta: plateau
@@ -216,7 +220,7 @@ class Settings:
             if "widths" in v and (not v["widths"] or any(not isinstance(w, int) or w < 1 for w in v["widths"])):
                 raise ConfigError(f"toys.variants.{name}.widths must be positive integers, got {v['widths']!r}")
         valid_lrs = [BASELINE, *CONTROLS, *layer_names(), *self.variants]
-        for name, valid in (("layer_options", layer_names()), ("layer_lrs", valid_lrs)):
+        for name, valid in (("layer_options", layer_names()), ("layer_lrs", valid_lrs), ("lr_from", [*valid_lrs, "*"])):
             unknown = sorted(set(getattr(self, name)) - set(valid))
             if unknown:
                 raise ConfigError(f"toys.{name}: unknown layer(s) {unknown}; valid: {', '.join(valid)}")
@@ -256,6 +260,12 @@ class Settings:
 
     def candidates(self, layer: str) -> list[float]:
         return list(self.layer_lrs.get(layer, self.lrs))
+
+    def origin(self, layer: str) -> str:
+        """Where a layer's lr comes from (`lr_from`), else how it was chosen."""
+        n = len(self.candidates(layer))
+        given = self.lr_from.get(layer) or (self.lr_from.get("*") if layer not in self.layer_lrs else None)
+        return given or (f"chosen on validation among {n}" if n > 1 else "one lr given")
 
     def widths_of(self, model: str) -> list[int]:
         """The widths a model is trained at: a variant's own (a smaller state), else ``widths``."""
@@ -751,6 +761,7 @@ def _cell(ctx: Context, layer: str, task: Task, width: int, mc, config: dict, se
         "acc_by_kv": {slice_name(n): round(a, 4) for n, a in acc.items()},
         "val_accuracy": round(fit.val, 4),
         "lr": lr,
+        "lr_from": s.origin(layer),
         "lr_chosen": not none_left,  # at chance at every lr: no lr is chosen (the best of noise is kept)
         "lr_at_edge": edge and len(fits) > 1 and not none_left,  # one lr given: a choice, not a grid
         "val_by_lr": {f"{k:g}": round(f.val, 4) for k, f in sorted(fits.items())},

@@ -1,0 +1,84 @@
+"""The overview: the leaderboard's first table, one row per layer (and published variant).
+
+Each suite's report module may define ``headline(section) -> {column: {layer: (rank, text)}}``:
+the cells it contributes and, for each, a rank. A layer measured in several sections of a suite
+(presets, machines) gets the cell of its highest-ranked one (recall: its longest budget), and the
+cell links to that section. Nothing is computed here that the sections' tables do not show: a
+cell is a table's text, and the page or README beside it says where it comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memzoo.bench.report import layer_order, module
+from memzoo.registry import family_of
+
+NOTE = """\
+One row per layer and published variant; each cell is the headline of one section below and links
+to it. *recall*: MQAR with the memory the only route, from the section with the longest budget (cap,
+in sequences) the layer was trained at: the seeds' mean accuracy over the slices with its 95%
+interval (▲/▼: wholly above / below the baseline's), how many seeds left chance, their stops (a
+capped or at-chance cell is a statement about that budget) and the preset. *NIAH*: exact match (%)
+after one memorization pass, by haystack length. *PPL*: what carried fast weights are worth in nats
+per token (reset − carry) on the first corpus, and the repeated-passage probe's gain (first reading −
+second), with their intervals. *cost*: training tokens/s over the baseline's, timed in the same
+section, and the parameters. Cells of the NIAH, PPL and cost columns come from the section with the
+most seeds (cost: the most layers), a preset other than the tiny one where both exist. An empty
+cell: not measured (or withheld by its section's harness check)."""
+
+
+@dataclass
+class Overview:
+    table: object  # DataFrame: layer, family, then the suites' columns (texts)
+    links: dict  # (layer, column) -> the anchor of the section the cell comes from
+
+
+def overview(secs: list) -> Overview:
+    """The overview of the published sections `secs` (:func:`memzoo.bench.report.sections`)."""
+    import pandas as pd
+
+    best: dict[tuple[str, str], tuple] = {}  # (layer, column) -> (rank, text, anchor)
+    columns: list[str] = []
+    for sec in secs:
+        fn = getattr(module(sec.suite), "headline", None)
+        if fn is None or sec.problems:  # a section whose harness check failed shows no layer rows
+            continue
+        for col, cells in fn(sec).items():
+            if col not in columns:
+                columns.append(col)
+            for layer, (rank, text) in cells.items():
+                old = best.get((layer, col))
+                if old is None or rank > old[0]:
+                    best[(layer, col)] = (rank, text, sec.anchor)
+    order = {c: i for i, c in enumerate(COLUMN_ORDER)}
+    columns.sort(key=lambda c: order.get(c, len(order)))
+    layers = layer_order({layer for layer, _ in best})
+    table = pd.DataFrame({
+        "layer": layers,
+        "family": [family_of(n) or "" for n in layers],
+        **{c: [best[(n, c)][1] if (n, c) in best else "" for n in layers] for c in columns},
+    })
+    links = {k: v[2] for k, v in best.items()}
+    return Overview(table=table, links=links)
+
+
+#: the columns in the order a reader asks: does it recall, does it find the needle, is it worth it in
+#: an LM, what does it cost
+COLUMN_ORDER = ("recall: MQAR accuracy", "recall: seeds, stops, budget", "NIAH: exact match % by length",
+                "PPL: carried-state gain (nats)", "PPL: re-reading gain (nats)", "cost: training tokens/s × baseline's")
+
+
+def markdown(ov: Overview) -> str:
+    """The overview as a Markdown table whose cells link to their sections (``#anchor``)."""
+    def cell(layer, col, text):
+        text = str(text).replace("|", "\\|")
+        anchor = ov.links.get((layer, col))
+        return f"[{text}](#{anchor})" if anchor and text else text
+
+    cols = list(ov.table.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(":---" for _ in cols) + "|"]
+    for _, r in ov.table.iterrows():
+        lines.append("| " + " | ".join(cell(r["layer"], c, r[c]) if c not in ("layer", "family") else str(r[c])
+                                       for c in cols) + " |")
+    return "\n".join(lines)
