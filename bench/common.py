@@ -365,7 +365,9 @@ class Recorder:
     def append(self, row: dict) -> dict:
         """Append a whole row to the file (one locked write of one line), as measured here or
         returned by a Ray task (`memzoo.bench.ray_engine`)."""
-        line = json.dumps(_finite_or_null(row), sort_keys=True, default=_jsonable, allow_nan=False) + "\n"
+        body = json.loads(json.dumps(_finite_or_null(row), sort_keys=True, default=_jsonable, allow_nan=False))
+        row["digest"] = body["digest"] = row_digest(body)  # the row as the file holds it, sealed
+        line = json.dumps(body, sort_keys=True, allow_nan=False) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "ab+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
@@ -405,6 +407,14 @@ class Collector(Recorder):
 
     def append(self, row: dict) -> dict:
         return self._keep(row)
+
+
+def row_digest(row: dict) -> str:
+    """The content digest of a row: sha256 over its JSON as results.jsonl holds it (sorted keys),
+    without the digest itself. Recorded when the row is written, so a row edited afterwards (its
+    metrics, config or provenance) no longer matches it (`memzoo verify`)."""
+    body = {k: v for k, v in row.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=False).encode()).hexdigest()
 
 
 def _finite_or_null(x):

@@ -80,6 +80,13 @@ def cmd_leaderboard(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from memzoo.bench.verify import verify
+
+    lines = [int(x) for x in args.lines.split(",") if x.strip()] if args.lines else None
+    return verify(args.results, rerun=args.rerun, lines=lines)
+
+
 def cmd_inspect(args) -> int:
     from memzoo.inspection import inspect_text
 
@@ -139,6 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     lb = sub.add_parser("leaderboard", help="render OUT/README.md and figures from OUT/results.jsonl")
     lb.add_argument("--out", default="leaderboards", help="the folder of results.jsonl, where README.md and figures/ are written")
     lb.set_defaults(fn=cmd_leaderboard)
+
+    v = sub.add_parser("verify", help="check every row of a results.jsonl (schema, config hash, commit, ranges, digest); "
+                                      "with --rerun K, measure its K cheapest rows again")
+    v.add_argument("results", nargs="?", default="leaderboards/results.jsonl", help="the file (default: %(default)s)")
+    v.add_argument("--rerun", type=int, default=0, metavar="K",
+                   help="re-measure the K rows cheapest to measure (cost counts, toys cells) and say whether they agree")
+    v.add_argument("--lines", help="re-measure the rows at these line numbers instead (comma-separated)")
+    v.set_defaults(fn=cmd_verify)
 
     i = sub.add_parser("inspect", help="per memory layer: gate values per token and the retrieval trace of a read")
     i.add_argument("model", help="a trained model: a `memzoo train` out dir or its ckpt.pt, or a bench LM dir (runs/bench/<preset>/lm/...)")

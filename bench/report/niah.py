@@ -156,14 +156,14 @@ def tables(df) -> dict:
         texts = {}
         for (layer, col), g in groups.items():
             vals = list(g["metrics.answer_nll"].dropna())
-            if len(vals) > 1:
+            if len(vals) > 1:  # the t-interval, bounded below by 0: a loss is never negative
                 m, h = mean_ci(vals)
-                texts[(layer, col)] = f"{m:.3f} ± {h:.3f}" + fewer_seeds(len(vals), seeds[layer])
+                texts[(layer, col)] = f"{m:.3f} [{max(0.0, m - h):.3f}, {m + h:.3f}]" + fewer_seeds(len(vals), seeds[layer])
             elif vals and seeds[layer] > 1:
                 texts[(layer, col)] = format(t.loc[layer, col], "g") + fewer_seeds(1, seeds[layer])
         t = with_texts(t, texts)
         t.insert(0, "seeds", [seeds[layer] for layer in order])
-        over = "; ± 95% interval over trainings where seeds > 1" if several else ""
+        over = "; [95% interval over trainings, within 0-∞] where seeds > 1" if several else ""
         out[f"NIAH answer NLL (nats per answer token; chance ln 10{over}), length x n-iter"] = t
     one = df.sort_values("setting.n_iter").groupby(["layer", "setting.length", "seed"], as_index=False).first()
     per_len = one.groupby(["layer", "setting.length"], as_index=False).agg(
