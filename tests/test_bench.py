@@ -546,8 +546,8 @@ def test_a_table_row_names_its_layers_write_rule_family():
 def test_no_table_mixes_machine_models_or_protocols():
     """Rows of one suite and preset on two machines (or of two protocol versions) are two sections,
     each named by its machine (and protocol). A section stays whole (its controls beside its rows)
-    while one of its measurements is the latest of all, and is gone once all were measured again
-    elsewhere."""
+    while one of its measurements is the latest of all (GPUs and CPUs apart), and is gone once all were
+    measured again elsewhere."""
     from memzoo.bench.report import _groups, section_name
 
     def row(layer, cpu, t, version=3, gpu=None, seed=0):
@@ -567,6 +567,11 @@ def test_no_table_mixes_machine_models_or_protocols():
                         (["fwpkm"], "cost — preset `paper` — NVIDIA H200")]
     one = [r for r in rows if r["layer"] == "baseline"]
     assert [section_name(n, p, shown, one) for n, p, _, _, shown in _groups(one, with_rows=True)] == ["cost — preset `paper`"]
+    # a CPU measuring the GPU's rows again later does not retire the GPU's section (a timing on a GPU is
+    # not what a CPU measures); another CPU model would
+    rows.append(row("fwpkm", "Intel Xeon", "6"))
+    names = [section_name(n, p, shown, rows) for n, p, _, _, shown in _groups(rows, with_rows=True)]
+    assert "cost — preset `paper` — NVIDIA H200" in names and "cost — preset `paper` — Intel Xeon" in names
 
 
 def test_a_torn_last_row_is_skipped_with_a_warning_and_the_next_row_starts_its_own_line(tmp_path):

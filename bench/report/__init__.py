@@ -71,8 +71,10 @@ def _groups(rows: list[dict], with_rows: bool = False):
 
 
 def _shown(rows: list[dict]) -> list[tuple[str, str]]:
-    """The (machine, protocol) kinds of one suite's and preset's rows that still hold a latest row."""
-    return sorted({_kind(r) for r in latest(rows)})
+    """The (machine, protocol) kinds of one suite's and preset's rows that still hold a latest row,
+    GPUs and CPUs apart: a CPU's row does not retire a GPU's (nor the reverse), since a GPU's timing
+    is not what a CPU measures again."""
+    return sorted({_kind(r) for gpu in (True, False) for r in latest([x for x in rows if bool(x["hardware"].get("gpu")) == gpu])})
 
 
 def _kind(r: dict) -> tuple[str, str]:
@@ -297,7 +299,8 @@ def print_tables(rows: list[dict]) -> None:
 
 def print_closing(rows: list[dict], layers: list[str], preset: str, published_preset: str = "recall") -> None:
     """The three lines that end a run's output: what it showed (each suite's `summary`), where the
-    full tables are, and the command that measures the same layers at the published budget."""
+    full tables are, and (for a run with toys rows of named layers) the command that measures the same
+    layers at the published budget."""
     said = []
     for name, _, mod, df in _groups(rows):
         if (fn := getattr(mod, "summary", None)) and (line := fn(df)):
@@ -305,8 +308,10 @@ def print_closing(rows: list[dict], layers: list[str], preset: str, published_pr
     print(f"What this run showed ({preset} preset): " + ("; ".join(said) if said else "no rows") + ".")
     print("The full tables, every published row beside the controls: leaderboards/README.md (it opens on an "
           "overview of every layer) and the page leaderboards/site/index.html (open it in a browser).")
-    print(f"The same at the published budget (3 seeds, each lr chosen on validation; hours on 2 cores, resumable): "
-          f"memzoo bench --preset {published_preset} --layers {','.join(n for n in layers if n != BASELINE)} --suite toys --resume")
+    named = ",".join(n for n in layers if n != BASELINE)
+    if named and any(r["suite"] == "toys" for r in rows):
+        print(f"The same at the published budget (3 seeds, each lr chosen on validation; hours on 2 cores, resumable): "
+              f"memzoo bench --preset {published_preset} --layers {named} --suite toys --resume")
 
 
 def print_notes(rows: list[dict], published: list[dict], suites: list[str]) -> None:
