@@ -33,9 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from memzoo.backbone.layout import parse_layout
 from memzoo.bench.suites import NAMES as SUITES  # the preset sections of the suites
 from memzoo.config import (
     ConfigError, ModelConfig, TrainConfig, check_layer_options, config_dir, parse_strict, read_config,
@@ -108,6 +105,8 @@ def load_preset(name: str) -> Preset:
             spec = parse_strict(LayerSpec, v, f"layers.{k}")
             k = check_layer_options(k, spec.options, backbone.d_model, f"layers.{k}")
             try:
+                from memzoo.backbone.layout import parse_layout
+
                 parse_layout(f"{backbone.layout} | {k}" + ("" if spec.at is None else f"@{spec.at}"), backbone.n_layers)
             except ValueError as e:
                 raise ConfigError(f"layers.{k}.at: {' '.join(str(e).split())}") from None
@@ -250,6 +249,8 @@ def hardware() -> dict:
                 break
     except OSError:
         pass
+    import torch
+
     hw = {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         hw["gpu"] = torch.cuda.get_device_name()
@@ -262,6 +263,8 @@ def hardware() -> dict:
 
 def device_name(device: str) -> str:
     """The machine a measurement ran on, in words (the GPU's name on CUDA)."""
+    import torch
+
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
     h = hardware()
@@ -433,7 +436,7 @@ def _jsonable(x):
         return dataclasses.asdict(x)
     if isinstance(x, (tuple, set)):
         return list(x)
-    if isinstance(x, torch.Tensor):
+    if hasattr(x, "tolist"):  # a tensor or an array
         return x.tolist()
     return str(x)
 

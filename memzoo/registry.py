@@ -109,11 +109,11 @@ def get_layer(name: str) -> type:
 
 
 def family_of(name: str) -> str:
-    """The label (memzoo.layers.base.FAMILIES) of the write-rule family of layer `name`, or of a
+    """The label (memzoo.families.FAMILIES) of the write-rule family of layer `name`, or of a
     variant ``layer/variant`` (named after its layer); "" for a name no layer is registered under (the
     bench's baseline and controls, a layer since removed) and for a layer that names none (a plugin may
     leave it); a plugin's own key outside FAMILIES shows as itself."""
-    from memzoo.layers.base import FAMILIES
+    from memzoo.families import FAMILIES
 
     try:
         key = get_layer(name.split("/")[0]).family

@@ -79,3 +79,15 @@ def test_the_graph_reader_finds_a_circle():
 
 def test_no_import_circles():
     assert circles(graph()) == []
+
+
+def test_the_report_imports_no_torch():
+    """Rendering rows needs no torch and no trainer: `memzoo.bench.report` and its suites' halves
+    import none (what they share with the suites lives in memzoo.bench.schema)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport memzoo.bench.report as r\nfrom memzoo.bench.report import cost, niah, overview, ppl, site, toys\n"
+            "from memzoo.bench import verify\nassert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import ModuleType
 
 from memzoo.bench.common import BASELINE, CONTROLS, RESULTS, read_results
+from memzoo.bench.schema import layer_order
 from memzoo.bench.suites import NAMES, suite
 from memzoo.registry import family_of
 from memzoo.storage import write_text
@@ -140,13 +141,6 @@ def markdown(table) -> str:
     return table.to_markdown(index=not isinstance(table.index, pd.RangeIndex))
 
 
-def suite_tables(rows: list[dict]):
-    """(suite, preset, title, table) for every table the rows make."""
-    for name, preset, mod, df in _groups(rows):
-        for title, table in mod.tables(df).items():
-            yield name, preset, title, table
-
-
 @dataclass
 class Section:
     """One published section: a suite and preset on one machine model and protocol version, with
@@ -164,6 +158,7 @@ class Section:
     problems: list | None  # what makes the harness invalid here (empty: valid; None: no harness check)
     rows: list  # the rows shown
     anchor: str = ""  # its id in both renderings (README.md's `<a id>`, the page's section), from the heading
+    headline: dict = None  # its cells of the overview: the suite's `headline(section)` ({} without one)
 
 
 def sections(rows: list[dict], out: Path) -> list[Section]:
@@ -189,6 +184,7 @@ def sections(rows: list[dict], out: Path) -> list[Section]:
             reading=list(_reading(mod, df, rows)),
             figures=list(mod.figures(df, out / "figures" / _folder(heading, preset))),
             problems=getattr(mod, "problems", lambda df: None)(df), rows=shown, anchor=anchor))
+        out_sections[-1].headline = getattr(mod, "headline", lambda sec: {})(out_sections[-1])
     return out_sections
 
 
@@ -373,12 +369,6 @@ def with_family(table):
         at, names = 0, table.index
     table.insert(at, "family", [family_of(str(n).split(" ")[0]) for n in names])
     return table
-
-
-def layer_order(names) -> list[str]:
-    """Layer names for tables and figures: the baseline first, then the layers by name, then
-    the controls."""
-    return sorted(set(names), key=lambda n: (n != BASELINE, n in CONTROLS, n))
 
 
 def save_png(fig, path: str | Path) -> Path:

@@ -1,7 +1,7 @@
 """The overview: the leaderboard's first table, one row per layer (and published variant).
 
 Each suite's report module may define ``headline(section) -> {column: {layer: (rank, text)}}``:
-the cells it contributes and, for each, a rank. A layer measured in several sections of a suite
+the cells it contributes and, for each, a rank (`report.sections` keeps them as ``section.headline``). A layer measured in several sections of a suite
 (presets, machines) gets the cell of its highest-ranked one (recall: its longest budget), and the
 cell links to that section. Nothing is computed here that the sections' tables do not show: a
 cell is a table's text, and the page or README beside it says where it comes from.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memzoo.bench.report import layer_order, module
+from memzoo.bench.schema import layer_order
 from memzoo.registry import family_of
 
 NOTE = """\
@@ -41,10 +41,9 @@ def overview(secs: list) -> Overview:
     best: dict[tuple[str, str], tuple] = {}  # (layer, column) -> (rank, text, anchor)
     columns: list[str] = []
     for sec in secs:
-        fn = getattr(module(sec.suite), "headline", None)
-        if fn is None or sec.problems:  # a section whose harness check failed shows no layer rows
+        if sec.problems:  # a section whose harness check failed shows no layer rows
             continue
-        for col, cells in fn(sec).items():
+        for col, cells in (sec.headline or {}).items():
             if col not in columns:
                 columns.append(col)
             for layer, (rank, text) in cells.items():

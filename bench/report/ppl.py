@@ -8,7 +8,8 @@ from memzoo.bench.common import BASELINE, CONTROLS, POSITIVE, mean_ci
 from memzoo.bench.report import (
     beyond, fewer_seeds, layer_order, lm_lines, save_png, shared_count, with_family, with_seed, with_texts,
 )
-from memzoo.bench.suites.ppl import MODES, POSITIONS
+from memzoo.bench.schema import PPL_MODES as MODES
+from memzoo.bench.schema import PPL_POSITIONS as POSITIONS
 
 #: printed under the ppl tables of the leaderboard
 NOTE = """**Reading the PPL numbers.** Loss in nats per token (bytes) on held-out text, batch 1 in

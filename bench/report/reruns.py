@@ -41,7 +41,7 @@ from pathlib import Path
 
 from memzoo.bench.common import RESULTS, mean_ci, read_results
 from memzoo.bench.report import layer_order
-from memzoo.bench.suites.toys import slice_order
+from memzoo.bench.schema import slice_order
 
 
 def _key(r: dict) -> tuple:

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from memzoo.bench.common import BASELINE, CONTROLS
-from memzoo.layers.base import FAMILIES
+from memzoo.families import FAMILIES
 from memzoo.registry import family_of
 from memzoo.storage import write_text
 

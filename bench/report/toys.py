@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci
 from memzoo.bench.report import layer_order, save_png, with_family
-from memzoo.bench.suites.toys import NAME, TASKS, slice_order
+from memzoo.bench.schema import TOYS_TASKS as TASKS
+from memzoo.bench.schema import slice_order
+
+NAME = "toys"
 
 NOTE = """Accuracy is on the labelled positions of the test sets (MQAR: every query; Ba's task: the answer
 after the query): the seeds' mean with the 95% interval of their logits [lo, hi], which stays within

@@ -81,10 +81,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from memzoo.bench.schema import PPL_MODES, PPL_POSITIONS
 from memzoo.bench.common import POSITIVE, Context, check_backbone, mean_ci
 
 NAME = "ppl"
-MODES = ("carry", "reset")
+MODES = PPL_MODES
 
 
 
@@ -113,7 +114,7 @@ class Settings:
         check_backbone(self.model, "ppl.model")
 
 
-POSITIONS = (0, 256, 1024, 4096, 16384, 65536)  # bucket edges of the loss by position in a document
+POSITIONS = PPL_POSITIONS  # bucket edges of the loss by position in a document
 
 
 def _bucket(lo: int, hi: int | None) -> str:

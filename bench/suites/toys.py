@@ -90,6 +90,7 @@ from memzoo.backbone.model import HybridLM
 from memzoo.bench.common import (
     BASELINE, CONTROLS, POSITIVE, Context, check_backbone, check_variants, config_hash, model_config,
 )
+from memzoo.bench.schema import TOYS_TASKS, slice_order  # noqa: F401  (slice_order: the suite's name for it)
 from memzoo.config import ConfigError, ModelConfig, TrainConfig
 from memzoo.data import assoc_retrieval as ar
 from memzoo.data import mqar
@@ -98,7 +99,7 @@ from memzoo.storage import torch_save
 from memzoo.train import fit, lr_at, make_step, param_groups
 
 NAME = "toys"
-TASKS = ("mqar", "ar")
+TASKS = TOYS_TASKS
 
 # shown under the suite's tables in the leaderboard
 
@@ -352,12 +353,6 @@ def state_size(model: HybridLM, seq_len: int) -> dict:
 def slice_name(key) -> str:
     """A slice's name in a row: its kv count or pairs ("8"), or kv count and length ("32@256")."""
     return f"{key[1]}@{key[0]}" if isinstance(key, tuple) else str(key)
-
-
-def slice_order(name: str) -> tuple[float, float]:
-    """Sort key of a slice's name: by length (one length: 0), then kv count or pairs."""
-    kv, _, length = name.partition("@")
-    return float(length or 0), float(kv)
 
 
 class Task:

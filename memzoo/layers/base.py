@@ -80,6 +80,8 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor, nn
 
+from memzoo.families import FAMILIES  # noqa: F401  (how a layer writes its fast weights: the keys `family` names)
+
 
 def state_precision(device: torch.device):
     """A context in which a layer's fast-weight math runs in the state's own dtype (>= fp32):
@@ -140,15 +142,6 @@ def head_size(d_model: int, num_heads: int, head_dim: int | None = None) -> int:
 
 #: where a block can run a memory layer, in the order it runs them (MemoryLayer.site)
 SITES = ("before_mixer", "after_mixer", "ffn", "after_ffn")
-
-#: how a layer writes its fast weights (MemoryLayer.family), the leaderboard's "family" column
-FAMILIES = {
-    "hebbian": "Hebbian outer product",                    # S += k vᵀ (linear attention, Ba)
-    "delta": "delta rule",                                 # S += β k (v − Sᵀk)ᵀ and its gated / DPLR kin
-    "regression": "gradient steps on a regression loss",   # a small network trained on the sequence
-    "slots": "sparse slots",                               # a few of many key-value rows read and written
-}
-
 
 class MemoryLayer(nn.Module):
     #: registry name, set by @register_layer
