@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 
 #: what differs between two runs of one cell by design: when and where it ran, and how fast
 TIMING = {"tokens_per_s", "compile_s", "eval_s"}
-PROVENANCE = {"run_id", "time", "wall_s", "hardware"}
+PROVENANCE = {"run_id", "time", "wall_s", "hardware", "digest"}  # (the digest covers the provenance too)
 
 
 @pytest.fixture(scope="module")
