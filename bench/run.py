@@ -194,45 +194,77 @@ def published_beside(out: Path) -> list[dict]:
     return rows
 
 
-def run_bench(
-    layers: str | None,
-    suites: str | None = None,
-    preset: str | None = None,
-    seed: int = 0,
-    out: str | Path = "leaderboards",
-    work_dir: str | Path | None = None,
-    device: str = "auto",
-    progress: bool = True,
-    jobs: int | None = None,
-    resume: bool = False,
-    engine: str = "pool",
-    address: str | None = None,
-    dry_run: bool = False,
-) -> list[dict]:
+def run_bench(layers: str | None, suites: str | None = None, preset: str | None = None, seed: int = 0,
+              out: str | Path = "leaderboards", work_dir: str | Path | None = None, device: str = "auto",
+              progress: bool = True, jobs: int | None = None, resume: bool = False, engine: str = "pool",
+              address: str | None = None, dry_run: bool = False) -> list[dict]:
     """Run the suites and return the recorded rows (also appended to <out>/results.jsonl).
     `preset`: a shipped name or a file; None: the default for the device, `tiny` on a CPU, `gpu`
     on CUDA (said in one line). `device`: cpu, cuda, cuda:N or auto (cuda where available).
     `jobs`: worker processes (None: one per CPU core on CPU, 1 on CUDA); with `engine` "ray", the
     most tasks at once (None: as many as the cluster's resources allow). `engine`: "pool", the
     embedded process pool, or "ray", each job a Ray task on the cluster at `address`
-    (`memzoo.bench.ray_engine`). `resume`: a measurement
-    already in <out>/results.jsonl with the same config hash and seed is skipped (the toys'
-    cells; the ppl and niah suites' LMs, each once all its cells are recorded), so a killed run continues where it stopped. Bad arguments (a
-    `jobs` below 1, a negative `seed`, an unavailable device, an unwritable `out` or `work_dir`) fail at once.
+    (`memzoo.bench.ray_engine`). `resume`: a measurement already in <out>/results.jsonl with the
+    same config hash and seed is skipped (the toys' cells; the ppl and niah suites' LMs, each once
+    all its cells are recorded), so a killed run continues where it stopped. Bad arguments (a `jobs`
+    below 1, a negative `seed`, an unavailable device, an unwritable `out` or `work_dir`) fail at once.
     `dry_run`: print the jobs, what is recorded and an estimate of the time (`memzoo.bench.dry_run`),
     run nothing and write nothing; the device need not be present."""
-    import multiprocessing as mp
     import os
-    import queue as queue_mod
 
-    import torch
-    from tqdm.auto import tqdm
-
-    from memzoo.bench.common import read_results
-    from memzoo.storage import ensure_writable_dir
     from memzoo.cpu import tune_cpu
-    from memzoo.train import resolve_device
+    from memzoo.storage import ensure_writable_dir
 
+    _check_arguments(jobs, seed, engine, address)
+    device = _device(device, engine, dry_run)
+    resume = resume or dry_run  # a dry run marks the cells results.jsonl holds
+    tune_cpu()
+    p = load_preset(preset or _default_preset(device))
+    names, todo = parse_layers(layers), parse_suites(suites or ",".join(p.default_suites))
+    _check_run(p, names, todo, device, dry_run)
+    rec = Recorder(Path(out) if dry_run else ensure_writable_dir(out), p.name, seed)
+    work_dir = Path(work_dir or Path("runs") / "bench" / p.name)
+    ctx = Context(p, seed, rec, work_dir if dry_run else ensure_writable_dir(work_dir), device, progress, resume=resume)
+    queued = plan(ctx, names, todo)
+    alone = [j for j in queued if j.suites[0] in ALONE]  # timed first, nothing else running
+    queued = [j for j in queued if j.suites[0] not in ALONE]
+    workers = 1 if engine == "ray" else max(1, min(jobs or (1 if device != "cpu" else os.cpu_count() or 1), len(queued)))
+    total = work_units(ctx, names, todo)
+    _say(ctx, names, todo, alone, queued, workers if not dry_run else jobs, engine, total, dry_run)
+    if dry_run:
+        return []
+    t0 = time.time()
+    timed = work_units(ctx, names, [s for s in todo if s in ALONE]) if alone else 0
+    bars = Progress(total, timed, workers, progress, bool(queued))
+    compile_cache(ctx.work_dir)
+    ctx.on_work = lambda units, what: bars.show(0, units, what)
+    execute(ctx, alone, bars)
+    bars.next()
+    execute(ctx, queued, bars, engine, workers, address, max_tasks=jobs)
+    bars.close()
+    _print_end(rec, names, todo, resume, time.time() - t0)
+    return rec.rows
+
+
+def _say(ctx: Context, names: list[str], todo: list[str], alone: list, queued: list, workers: int | None, engine: str,
+         total: int, dry_run: bool) -> None:
+    """The run's first line: preset, seed, layers, suites, jobs, workers and units of work; for a dry
+    run the line and the plan (`memzoo.bench.dry_run`), with an estimate of the time."""
+    p, jobs = ctx.preset, len(alone) + len(queued)
+    head = f"preset {p.name}" + (f" on {ctx.device}" if dry_run else "") + f", seed {ctx.seed}, layers {', '.join(names)}, " \
+           f"suites {', '.join(todo)}; {jobs} jobs"
+    if dry_run:
+        from memzoo.bench.dry_run import print_plan
+
+        print(f"memzoo bench --dry-run: {head}; {total} units of work; nothing is run\n")
+        return print_plan(ctx, alone + queued, ctx.device, workers if workers and workers > 1 else None)
+    print(f"memzoo bench: {head}" + (f" ({len(alone)} timed alone first)" if alone and queued else "")
+          + (f" for {workers} workers" if workers > 1 else "") + (" as Ray tasks" if engine == "ray" else "")
+          + f"; {total} units of work (training steps, evaluated cells, measured models)")
+
+
+def _check_arguments(jobs: int | None, seed: int, engine: str, address: str | None) -> None:
+    """Bad arguments fail at once, before any import of the harness or any work."""
     if jobs is not None and jobs < 1:
         raise ConfigError(f"--jobs must be >= 1 (leave it out: one per CPU core on CPU, 1 on CUDA), got {jobs}")
     if seed < 0:
@@ -245,25 +277,39 @@ def run_bench(
         from memzoo.bench.ray_engine import import_ray
 
         import_ray()  # not installed: one line saying how, before any work
-    if dry_run:  # the plan of a run on a device this machine may not have
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        resume = True  # the cells results.jsonl holds are marked
-    elif engine == "ray" and device.startswith("cuda") and not torch.cuda.is_available():
-        pass  # the cluster's GPUs, not this machine's: ray_engine checks that it has one
-    else:
-        device = resolve_device(device)
-    tune_cpu()
-    if preset is None:
-        preset = DEFAULT_PRESETS["cuda" if device.startswith("cuda") else "cpu"]
-        if device.startswith("cuda"):
-            print(f"memzoo bench: CUDA is available: preset {preset}, the default on a GPU (--preset tiny runs the "
-                  f"CPU's default; --device cpu keeps off the GPU)")
-    p = load_preset(preset)
-    names, todo = parse_layers(layers), parse_suites(suites or ",".join(p.default_suites))
+
+
+def _device(device: str, engine: str, dry_run: bool) -> str:
+    """The device the run measures on: a dry run plans for one this machine may lack, and Ray tasks
+    run on the cluster's GPUs (ray_engine checks that it has one); otherwise it must be here."""
+    import torch
+
+    from memzoo.train import resolve_device
+
+    if dry_run:
+        return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    if engine == "ray" and device.startswith("cuda") and not torch.cuda.is_available():
+        return device
+    return resolve_device(device)
+
+
+def _default_preset(device: str) -> str:
+    """The preset a run without --preset measures on `device` (said in one line on a GPU)."""
+    preset = DEFAULT_PRESETS["cuda" if device.startswith("cuda") else "cpu"]
+    if device.startswith("cuda"):
+        print(f"memzoo bench: CUDA is available: preset {preset}, the default on a GPU (--preset tiny runs the "
+              f"CPU's default; --device cpu keeps off the GPU)")
+    return preset
+
+
+def _check_run(p, names: list[str], todo: list[str], device: str, dry_run: bool) -> None:
+    """Every suite's settings, and a variant named alone, checked before minutes are spent on the first."""
+    import torch
+
     if ALONE[0] in todo and device.startswith("cuda") and not dry_run and not torch.cuda.is_available():
         raise ConfigError(f"--suite {ALONE[0]} times on this machine, which has no CUDA device; leave it out here "
                           f"(the Ray tasks run the other suites on the cluster's GPUs)")
-    for s in todo:  # check every suite's settings before spending minutes on the first
+    for s in todo:
         mod = suite(s)
         p.settings(mod.NAME, mod.Settings)
     if variants := [n for n in names if "/" in n]:  # a variant alone, e.g. fwpkm/token (toys), fwpkm/seq (niah)
@@ -275,112 +321,122 @@ def run_bench(
             if bad := [n for n in variants if n not in defined]:
                 raise ConfigError(f"--layers {bad[0]}: preset {p.name} defines no such {s} variant; it defines "
                                   f"{', '.join(defined) or 'none'}")
-    cores = os.cpu_count() or 1
-    max_tasks = jobs
-    jobs = jobs or (1 if device != "cpu" else cores)
-    rec = Recorder(Path(out) if dry_run else ensure_writable_dir(out), p.name, seed)
-    work_dir = work_dir or Path("runs") / "bench" / p.name
-    work_dir = Path(work_dir) if dry_run else ensure_writable_dir(work_dir)
-    ctx = Context(p, seed, rec, work_dir, device, progress, resume=resume)
-    total = work_units(ctx, names, todo)
-    queued = plan(ctx, names, todo)
-    alone = [j for j in queued if j.suites[0] in ALONE]
-    queued = [j for j in queued if j.suites[0] not in ALONE]
-    workers = 1 if engine == "ray" else max(1, min(jobs, len(queued)))
-    if dry_run:
-        from memzoo.bench.dry_run import print_plan
 
-        print(f"memzoo bench --dry-run: preset {p.name} on {device}, seed {seed}, layers {', '.join(names)}, suites "
-              f"{', '.join(todo)}; {len(alone) + len(queued)} jobs; {total} units of work; nothing is run\n")
-        print_plan(ctx, alone + queued, device, jobs if jobs > 1 else None)
-        return []
-    print(f"memzoo bench: preset {p.name}, seed {seed}, layers {', '.join(names)}, suites {', '.join(todo)}; "
-          f"{len(alone) + len(queued)} jobs" + (f" ({len(alone)} timed alone first)" if alone and queued else "")
-          + (f" for {workers} workers" if workers > 1 else "") + (" as Ray tasks" if engine == "ray" else "")
-          + f"; {total} units of work (training steps, evaluated cells, measured models)")
-    t0 = time.time()
-    def new_bar(units: int, desc: str, unit: str, shown: bool = True):
-        return tqdm(total=units, desc=desc, unit=unit, smoothing=0, dynamic_ncols=True, disable=not (progress and shown))
 
-    # the jobs timed alone count models on a bar of their own (the module docstring)
-    timed = work_units(ctx, names, [s for s in todo if s in ALONE]) if alone else 0
-    bar = new_bar(timed, "timed alone", "model") if timed else new_bar(total, "bench", "unit")
-    doing = [""] * workers
-    lanes = 1 if timed else workers  # what runs now is shown per worker once the workers run
+class Progress:
+    """The run's progress: a bar of the jobs timed alone (models), then one of the rest (units of
+    work) with what each worker is doing; `show` is what every engine reports to."""
 
-    def show(wid: int, units: int, what: str) -> None:
-        doing[wid] = what
-        bar.set_postfix_str(" | ".join(f"{i + 1}: {d}" if lanes > 1 else d for i, d in enumerate(doing[:lanes])),
-                            refresh=False)
-        bar.update(units)
+    def __init__(self, total: int, timed: int, workers: int, shown: bool, more: bool):
+        self.total, self.timed, self.workers, self.shown, self.more = total, timed, workers, shown, more
+        self.doing = [""] * workers
+        self.lanes = 1 if timed else workers  # per worker once the workers run
+        self.bar = self._bar(timed, "timed alone", "model") if timed else self._bar(total, "bench", "unit")
 
-    compile_cache(work_dir)
-    ctx.on_work = lambda units, what: show(0, units, what)
-    for job in alone:  # before any worker starts: nothing else runs while these are timed
-        job.run(ctx)
-    if timed:
-        bar.close()
-        bar = new_bar(total - timed, "bench", "unit", shown=bool(queued))
-        doing[0], lanes = "", workers
-    if engine == "ray" and queued:
-        from memzoo.bench.common import read_results
+    def _bar(self, units: int, desc: str, unit: str, shown: bool = True):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=units, desc=desc, unit=unit, smoothing=0, dynamic_ncols=True, disable=not (self.shown and shown))
+
+    def show(self, wid: int, units: int, what: str) -> None:
+        self.doing[wid] = what
+        self.bar.set_postfix_str(" | ".join(f"{i + 1}: {d}" if self.lanes > 1 else d
+                                            for i, d in enumerate(self.doing[:self.lanes])), refresh=False)
+        self.bar.update(units)
+
+    def next(self) -> None:
+        """The jobs timed alone are done: the bar of the rest."""
+        if self.timed:
+            self.bar.close()
+            self.bar = self._bar(self.total - self.timed, "bench", "unit", shown=self.more)
+            self.doing[0], self.lanes = "", self.workers
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def execute(ctx: Context, jobs: list, progress: Progress, engine: str = "inline", workers: int = 1,
+            address: str | None = None, max_tasks: int | None = None) -> None:
+    """Run `jobs` and record their rows (``ctx.recorder.rows`` then holds the run's): the one
+    function behind the engines. "inline": in this process, one after the other (the jobs timed
+    alone, and a run of one worker); "pool": `workers` worker processes on this machine taking jobs
+    from one queue (`_pool`); "ray": Ray tasks on a cluster (`memzoo.bench.ray_engine.run_jobs`)."""
+    rec = ctx.recorder
+    if not jobs:
+        return
+    if engine == "ray":
         from memzoo.bench.ray_engine import run_jobs
 
-        run_jobs(ctx, queued, address, max_tasks, bar)
-        rec.rows = [r for r in read_results(rec.path) if r["run_id"] == rec.run_id]
-    elif workers == 1:
-        for job in queued:
+        run_jobs(ctx, jobs, address, max_tasks, progress.bar)
+    elif engine == "inline" or workers == 1:
+        for job in jobs:
             job.run(ctx)
-    elif queued:
-        mpc = mp.get_context("spawn")
-        queue = mpc.Queue()
-        args = {"preset": p.source, "seed": seed, "out": str(out), "work_dir": str(work_dir), "device": device,
-                "run_id": rec.run_id, "resume": resume, "parent": os.getpid()}
-        jobq = mpc.Queue()
-        for item in [*enumerate(queued), *[None] * workers]:  # a None per worker: the end
-            jobq.put(item)
-        threads = max(1, cores // workers)
+        return
+    else:
+        _pool(ctx, jobs, workers, progress)
+    rec.rows = [r for r in read_results(rec.path) if r["run_id"] == rec.run_id]
 
-        def start(wid: int):
-            proc = mpc.Process(target=_worker, args=(args, wid, jobq, threads, queue))
-            proc.start()
-            return proc
 
-        procs = [start(i) for i in range(workers)]
-        current: dict[int, int | None] = dict.fromkeys(range(workers))  # the job each worker runs
-        done = [False] * workers
-        try:
-            while not all(done):
-                try:
-                    kind, wid, units, what = queue.get(timeout=5)
-                except queue_mod.Empty:  # a worker killed (by the kernel's OOM killer, a SIGKILL): its job failed
-                    for wid, proc in enumerate(procs):
-                        if done[wid] or proc.exitcode in (None, 0):
-                            continue
-                        if current[wid] is not None:
-                            job = queued[current[wid]]
-                            ctx.fail(job.suites[0], job.layer, job.part,
-                                     RuntimeError(f"the worker running it died (exit code {proc.exitcode})"))
-                        current[wid] = None
-                        procs[wid] = start(wid)  # a new worker takes the queue's next jobs
-                        show(wid, 0, "restarted")
-                    continue
-                if kind == "start":
-                    current[wid] = units  # the job's index
-                elif kind == "end":
-                    done[wid] = True
-                    show(wid, 0, "done")
-                else:
-                    show(wid, units, what)
-        finally:  # an error or Ctrl-C here stops the workers too (a SIGKILL: exit_with in each worker)
-            for proc in procs:
-                if proc.is_alive():
-                    proc.kill()
-                proc.join()
-        rec.rows = [r for r in read_results(rec.path) if r["run_id"] == rec.run_id]
-    bar.close()
+def _pool(ctx: Context, jobs: list, workers: int, progress: Progress) -> None:
+    """`workers` processes (`_worker`) take `jobs` from one queue and report their work; a worker
+    that dies (a SIGKILL, the kernel's OOM killer) has its job recorded failed and is replaced. An
+    error or Ctrl-C here stops the workers too."""
+    import multiprocessing as mp
+    import os
+    import queue as queue_mod
+
+    rec = ctx.recorder
+    mpc = mp.get_context("spawn")
+    queue, jobq = mpc.Queue(), mpc.Queue()
+    args = {"preset": ctx.preset.source, "seed": ctx.seed, "out": str(rec.path.parent), "work_dir": str(ctx.work_dir),
+            "device": ctx.device, "run_id": rec.run_id, "resume": ctx.resume, "parent": os.getpid()}
+    for item in [*enumerate(jobs), *[None] * workers]:  # a None per worker: the end
+        jobq.put(item)
+    threads = max(1, (os.cpu_count() or 1) // workers)
+
+    def start(wid: int):
+        proc = mpc.Process(target=_worker, args=(args, wid, jobq, threads, queue))
+        proc.start()
+        return proc
+
+    procs = [start(i) for i in range(workers)]
+    current: dict[int, int | None] = dict.fromkeys(range(workers))  # the job each worker runs
+    done = [False] * workers
+    try:
+        while not all(done):
+            try:
+                kind, wid, units, what = queue.get(timeout=5)
+            except queue_mod.Empty:  # a worker killed (by the kernel's OOM killer, a SIGKILL): its job failed
+                for wid, proc in enumerate(procs):
+                    if done[wid] or proc.exitcode in (None, 0):
+                        continue
+                    if current[wid] is not None:
+                        job = jobs[current[wid]]
+                        ctx.fail(job.suites[0], job.layer, job.part,
+                                 RuntimeError(f"the worker running it died (exit code {proc.exitcode})"))
+                    current[wid] = None
+                    procs[wid] = start(wid)  # a new worker takes the queue's next jobs
+                    progress.show(wid, 0, "restarted")
+                continue
+            if kind == "start":
+                current[wid] = units  # the job's index
+            elif kind == "end":
+                done[wid] = True
+                progress.show(wid, 0, "done")
+            else:
+                progress.show(wid, units, what)
+    finally:  # (a SIGKILL: exit_with in each worker)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+
+
+def _print_end(rec: Recorder, names: list[str], todo: list[str], resume: bool, seconds: float) -> None:
+    """The run's tables (with resume: the whole comparison it completes), its notes, the closing
+    lines, and each failed measurement in one line on stderr."""
     failed = [r for r in rec.rows if r["suite"] == "failed"]
-    print(f"\nmemzoo bench: {len(rec.rows) - len(failed)} rows in {time.time() - t0:.0f} s -> {rec.path}\n")
+    print(f"\nmemzoo bench: {len(rec.rows) - len(failed)} rows in {seconds:.0f} s -> {rec.path}\n")
     shown = _with_recorded(rec, names, todo) if resume else rec.rows
     print_tables(shown)
     print_notes(shown, published_beside(rec.path), todo)
@@ -389,7 +445,6 @@ def run_bench(
     for r in failed:
         print(f"memzoo bench: FAILED {r['setting']['suite']} {r['layer']} {' '.join(map(str, r['setting']['part'] or []))}: "
               f"{r['metrics']['error']} (traceback: {r['metrics']['log']})", file=sys.stderr)
-    return rec.rows
 
 
 def _with_recorded(rec: Recorder, names: list[str], suites: list[str]) -> list[dict]:
