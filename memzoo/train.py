@@ -290,6 +290,42 @@ def fit(step, steps: int, *, start: int = 0, every: int = 0, after_step=None, ev
     return max(start, steps), ""
 
 
+def _out_dir(tc: "TrainConfig", world: World, resume: bool, overwrite: bool) -> tuple["Path", str]:
+    """The run's out dir and this rank's device (cuda:LOCAL_RANK under torchrun): a dir holding
+    another run is refused unless `resume` or `overwrite` (its files deleted, by rank 0 once every
+    rank has looked)."""
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    if tc.grad_accum % world.size:
+        raise ConfigError(f"train.grad_accum={tc.grad_accum} must be a multiple of the {world.size} processes: the "
+                          f"global batch (batch_size x grad_accum) is the same on every world size")
+    out = ensure_writable_dir(tc.out_dir)
+    found = [n for n in RUN_FILES if (out / n).exists()]
+    if found and not (resume or overwrite):
+        raise FileExistsError(f"{out} holds another run ({', '.join(found)}); "
+                              "pass --resume to continue it or --overwrite to replace it")
+    device = world.join(tc.device)
+    world.barrier()  # every rank has looked at the out dir before rank 0 changes it
+    if overwrite and world.main:
+        for n in RUN_FILES:
+            (out / n).unlink(missing_ok=True)
+    return out, device
+
+
+def _checkpoint(ckpt_path: "Path", rc: RunConfig) -> dict:
+    """The checkpoint a resumed run continues from, refused if another config wrote it (where the
+    run is written and what it runs on may change: a moved dir, CPU -> GPU)."""
+    if not ckpt_path.exists():
+        raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; train without --resume first")
+    ck = load_tensors(ckpt_path)  # on the CPU: torch's RNG state must stay a CPU tensor
+    changes = [c for c in config_changes(ck["config"], rc.to_dict())
+               if not c.startswith(("train.out_dir ", "train.device ", "train.threads "))]
+    if changes:
+        raise ConfigError(f"--resume: the checkpoint in {ckpt_path.parent} was written by a different config: "
+                          f"{', '.join(changes)}")
+    return ck
+
+
 def train(
     rc: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True, data=None,
     overwrite: bool = False, on_step=None, parallel: str = "ddp",
@@ -307,32 +343,9 @@ def train(
     world = World.from_env()
     tc.device = resolve_device(tc.device)  # "auto" becomes a device here
     tc.validate()  # also after command-line overrides
-    if resume and overwrite:
-        raise ValueError("--resume and --overwrite exclude each other")
-    if tc.grad_accum % world.size:
-        raise ConfigError(f"train.grad_accum={tc.grad_accum} must be a multiple of the {world.size} processes: the "
-                          f"global batch (batch_size x grad_accum) is the same on every world size")
-    out = ensure_writable_dir(tc.out_dir)
+    out, device = _out_dir(tc, world, resume, overwrite)
     ckpt_path = out / CKPT
-    found = [n for n in RUN_FILES if (out / n).exists()]
-    if found and not (resume or overwrite):
-        raise FileExistsError(f"{out} holds another run ({', '.join(found)}); "
-                              "pass --resume to continue it or --overwrite to replace it")
-    device = world.join(tc.device)  # this rank's device (cuda:LOCAL_RANK under torchrun)
-    world.barrier()  # every rank has looked at the out dir before rank 0 changes it
-    if overwrite and world.main:
-        for n in RUN_FILES:
-            (out / n).unlink(missing_ok=True)
-    ck = None
-    if resume:
-        if not ckpt_path.exists():
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; train without --resume first")
-        ck = load_tensors(ckpt_path)  # on the CPU: torch's RNG state must stay a CPU tensor
-        # where the run is written and what it runs on may change (a moved dir, CPU -> GPU)
-        changes = [c for c in config_changes(ck["config"], rc.to_dict())
-                   if not c.startswith(("train.out_dir ", "train.device ", "train.threads "))]
-        if changes:
-            raise ConfigError(f"--resume: the checkpoint in {out} was written by a different config: {', '.join(changes)}")
+    ck = _checkpoint(ckpt_path, rc) if resume else None
     if tc.threads:
         torch.set_num_threads(tc.threads)
     tune_cpu()
@@ -419,12 +432,10 @@ def train(
     lr = lr_at(step, tc)
     _, why = fit(one_step, tc.steps, start=step, every=tc.eval_every, after_step=after_step, evaluate=validate,
                  end_step=end_step)
-    if why == "killed":
-        bar.close()
-        world.close()
-        return {"step": step, "history": history, "killed": True}
     bar.close()
     world.close()
+    if why == "killed":
+        return {"step": step, "history": history, "killed": True}
     tail = [r["loss"] for r in history[-10:]]
     return {
         "step": step,
