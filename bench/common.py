@@ -279,7 +279,7 @@ def compile_cache(work_dir: Path) -> Path:
     workers (they inherit the environment and share it: a graph one worker compiled, the other
     loads; inductor locks what it writes against concurrent compiles). It outlives the run, so
     a resumed run loads what the killed one compiled (a cache of each run's own made a resumed
-    run compile everything again: docs/performance.md).
+    run compile everything again: docs/journal/performance.md).
 
     Inductor builds each kernel library with g++ straight to its final path, in a scratch dir
     ``<name>_CxxBuild`` beside it that it removes when the build ends, and later loads any

@@ -1,6 +1,6 @@
 """Process-wide CPU tuning for training, and bf16 matrix products in fp32 where a CPU's bf16 GEMM is
 the slower (an Intel Xeon whose AMX the hypervisor hides): used by :func:`memzoo.train.make_step`
-and the bench's workers. What each gained: docs/performance.md."""
+and the bench's workers. What each gained: docs/journal/performance.md."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def tune_cpu() -> None:
     * subnormal floats are flushed to zero: GDN's strong decays make them, ~10x slower on x86;
     * with glibc, freed blocks of up to 32 MiB stay in the heap (``mallopt``: an mmap threshold of
       32 MiB and 256 MiB kept at the heap's top) instead of going back to the OS, which made every
-      step fault in its activations' pages afresh (measured: docs/performance.md).
+      step fault in its activations' pages afresh (measured: docs/journal/performance.md).
     """
     import ctypes
 
@@ -41,7 +41,7 @@ def cpu_bf16_gemm_is_slow() -> bool:
     oneDNN's bf16 GEMM is fast where the CPU has AMX tiles, and bf16 training was the faster on the
     AMD EPYC of the published toy rows (fp32 1.3x slower); on an Intel Xeon whose AMX the hypervisor
     hides, its ``avx512_bf16`` path is 1.4-3.4x slower than its fp32 one at the toys' shapes
-    (docs/performance.md). There :func:`make_step` multiplies bf16 operands
+    (docs/journal/performance.md). There :func:`make_step` multiplies bf16 operands
     in fp32."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the product runs on this thread, whose CPU time is measured
@@ -73,7 +73,7 @@ def _bf16_gemms_in_fp32_pass():
         autocast's linear layers and 2-d einsums, forward and backward) becomes the fp32 product of
         the same operands, cast to bf16. Batched products (bmm, baddbmm: chunked attention, the
         fast-weight reads and writes) stay in bf16: rewriting them too made no step faster
-        (docs/performance.md), and together with the
+        (docs/journal/performance.md), and together with the
         GatedDeltaNet mixer's bmm it made inductor save garbage for FwMLP's backward (two bf16
         copies of its per-sequence fast weights, saved for the backward of its chunked reads, held
         fp32-like bit patterns; gradients NaN from Ba's task's first step at 27 tokens; neither
@@ -90,7 +90,7 @@ def _bf16_gemms_in_fp32_pass():
         (``test_bf16_gemms_in_fp32_pass_widens_a_tensor_once_for_all_its_views``): with a copy per
         view, a linear layer's output gradient, read as is and transposed, was written twice in
         fp32 (SwiGLU's backward kernel stored four [4096, 384] fp32 buffers holding two tensors).
-        One copy made the standard MQAR step faster with bit-identical losses (docs/performance.md)."""
+        One copy made the standard MQAR step faster with bit-identical losses (docs/journal/performance.md)."""
 
         def __call__(self, graph: torch.fx.Graph) -> None:
             from torch._guards import detect_fake_mode

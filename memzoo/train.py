@@ -235,7 +235,7 @@ def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: flo
     per input shape: a batch of another length compiles anew instead of turning every length
     symbolic, which some mixers' compiled code does not support). Compiled bf16 on a CPU whose bf16
     GEMM is the slower (:func:`cpu_bf16_gemm_is_slow`) multiplies in fp32 (``Bf16GemmsInFp32``;
-    what it gained: docs/performance.md)."""
+    what it gained: docs/journal/performance.md)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     fwd = model

@@ -1,5 +1,5 @@
 """Why FwPKM does not recall when its memory is the only route, and what does.
-Finding: docs/toys.md, "FwPKM through the memory alone, one change at a time".
+Finding: docs/journal/toys.md, "FwPKM through the memory alone, one change at a time".
 
 The recall preset's FwPKM cell (zoo_configs/bench/recall.yaml: MQAR of 64 tokens, vocabulary 64,
 4 / 8 / 12 pairs, every query at least 9 tokens after its pair; 2 blocks whose mixers are 4-token

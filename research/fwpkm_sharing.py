@@ -1,5 +1,5 @@
 """Why FwPKM made MQAR recall worse than no memory: its memory shared by the batch.
-Finding: docs/toys.md, "Why FwPKM's memory is per sequence here".
+Finding: docs/journal/toys.md, "Why FwPKM's memory is per sequence here".
 
 The diagnosis behind the toys suite's FwPKM setting (see bench/suites/toys.py): MQAR at a
 CPU-sized Zoology scale (64 tokens, vocabulary 256, 4/8/16 pairs, batch 64, width 64, lr 3e-3,

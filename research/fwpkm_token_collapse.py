@@ -1,5 +1,5 @@
 """Why the recall preset's ``fwpkm/token`` cell recalls within its first steps and then wears down.
-Finding: docs/toys.md, "Why fwpkm/token collapses".
+Finding: docs/journal/toys.md, "Why fwpkm/token collapses".
 
 The recall preset's cell (zoo_configs/bench/recall.yaml: FwPKM in block 0 before the mixer, a
 memory per sequence, addressing-loss weight 1) trained exactly as the bench trains it (same

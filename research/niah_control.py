@@ -1,5 +1,5 @@
 """Why the NIAH suite's LMs stay at chance, and what a positive control needs (issue 13, step 1).
-Finding: docs/niah.md, "The positive control (issue 13)".
+Finding: docs/journal/niah.md, "The positive control (issue 13)".
 
 The learning curve of one NIAH LM of the bench (the `standard` preset's by default: the tiny
 preset's backbone, 4 blocks, d=128, byte tokens, AdamW lr 3e-3, batch 16, bf16 autocast,

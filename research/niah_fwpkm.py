@@ -1,6 +1,6 @@
 """Why FwPKM does not carry a needle where its memory is the only route (issue 39, item 2): the
 paper's gate (Fig. 3) and [HIT] (Fig. 5) measurements on trained NIAH LMs.
-Finding: docs/niah.md, "Gate and [HIT]: in training the batch's shared memory buries the needle".
+Finding: docs/journal/niah.md, "Gate and [HIT]: in training the batch's shared memory buries the needle".
 
 Each LM (a bench LM directory: model.pt + lm.json) reads the NIAH suite's haystacks as the suite
 does (:func:`memzoo.bench.suites.niah.read_and_ask`: n passes, each written as one chunk, then the
@@ -30,7 +30,7 @@ batch: the reads the LM learned from, against the evaluation's clean ones.
     python -m research.niah_fwpkm WORK/lm/fwpkm-* --lengths 96 256 --iters 1 2
     python -m research.niah_fwpkm WORK/lm/fwpkm-* --lengths 96 --iters 1 --windows 64
 
-The figures and what they say: docs/niah.md.
+The figures and what they say: docs/journal/niah.md.
 """
 
 from __future__ import annotations

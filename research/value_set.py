@@ -1,5 +1,5 @@
 """Does a memory recall the queried pair, or only which values the sequence holds?
-Finding: docs/toys.md, "The recall preset finished, and what the dense memories learn" (the 1/n
+Finding: docs/journal/toys.md, "The recall preset finished, and what the dense memories learn" (the 1/n
 plateau; corrected by "The long-budget check" in the same file).
 
 The recall preset's MQAR cell (zoo_configs/bench/recall.yaml: 64 tokens, vocabulary 64, every

@@ -90,7 +90,7 @@ def test_fwpkm_kernel_path_matches_torch_and_is_deterministic():
     y2, s2, g2 = _fwpkm_run(False)
     y3, s3, _ = _fwpkm_run(True)
     # all but a few elements: a near-tie in a top-k can pick another slot in the other fp32 path
-    # (on an H200: 6e-5 of the outputs, max |diff| 0.007; docs/performance.md)
+    # (on an H200: 6e-5 of the outputs, max |diff| 0.007; docs/journal/performance.md)
     assert share_off(y1, y2, 1e-3) < 1e-3, mismatch(y1, y2, 1e-3)
     for k in s1:
         assert share_off(s1[k], s2[k], 1e-3) < 1e-3, f"state {k}: {mismatch(s1[k], s2[k], 1e-3)}"

@@ -780,7 +780,7 @@ def test_a_layer_at_chance_points_to_its_long_budget_verdict():
         f"through 99.2k sequences, where its training diverged (leaderboards/README.md, toys — preset {toys_report.LONG})",
         "fwpkm: at chance through 16k sequences here; at the recall preset's 10x budget (lrs 0.001, 0.003): left chance "
         f"at 192k sequences (test 0.980) (leaderboards/README.md, toys — preset {toys_report.LONG})",  # the latest row
-        f"lact: at chance through 16k sequences here; no long-budget check of it is published yet ({toys_report.LONG}: docs/toys.md)",
+        f"lact: at chance through 16k sequences here; no long-budget check of it is published yet ({toys_report.LONG}: docs/journal/toys.md)",
         "mom: at chance through 16k sequences here; at the recall preset's 10x budget (lrs 0.001, 0.003): left chance "
         "at 16k sequences (test 0.990); 2 of 3 seeds left chance at lr 0.001 (test 0.030, their mean), 1 of 2 at lr 0.0003 "
         "(test 0.700, their mean) (leaderboards/README.md, toys — presets "

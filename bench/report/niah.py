@@ -22,7 +22,7 @@ baseline's row of the same seed). The controls must pass in every seed, and read
 once (n-iter is a memory's). Where the LMs' mixers are 4-token windows (the standard preset), the
 backbone alone cannot copy a needle, so a row above it got the needle through its memory. What
 these numbers cannot show: recall among several needles, and anything at the paper's scale. The
-findings behind the rows, with their history: docs/niah.md."""
+findings behind the rows, with their history: docs/journal/niah.md."""
 
 
 # ---- leaderboard ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ predict its second reading better in every seed; a memory layer's probe gain is 
 weights alone carry of the passage into a new sequence, read against the control's. Where the LMs'
 mixers are 4-token windows (the standard preset), a carried gain comes through the memory alone.
 What these numbers cannot show: the paper's gains on 4K-token sequences with LMs of 100M+
-parameters. The findings behind the rows, with their history: docs/ppl.md."""
+parameters. The findings behind the rows, with their history: docs/journal/ppl.md."""
 
 
 # ---- leaderboard ------------------------------------------------------------------------------

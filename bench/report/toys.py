@@ -67,7 +67,7 @@ def notes(rows: list[dict], published: list[dict]) -> list[str]:
             continue
         ref = long.get(layer)
         if ref is None:
-            out.append(f"{line}; no long-budget check of it is published yet ({LONG}: docs/toys.md)")
+            out.append(f"{line}; no long-budget check of it is published yet ({LONG}: docs/journal/toys.md)")
             continue
         m = ref["metrics"]
         verdict = (f"left chance at {_count(m['left_chance_at'])} sequences (test {m['accuracy']:.3f})"

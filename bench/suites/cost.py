@@ -15,7 +15,7 @@ tokens of a 500 M-parameter model is no CPU job); on CPU the paper rows are coun
 On a CPU each layer's model is timed paired with the baseline's: `rounds` rounds of `steps` steps,
 the two models in turn, and its "× baseline's FLOP/s" is against the baseline's steps of those same
 rounds. A shared machine has slow phases of seconds; timed one after the other, one row took one
-and moved 25% between two runs, paired both models take it (docs/performance.md). A timing that
+and moved 25% between two runs, paired both models take it (docs/journal/performance.md). A timing that
 is noisy all the same (its steps' 10-90% spread above NOISY_SPREAD of their median, or the matmul
 peak beside it below half the run's median peak: a busy machine) is taken again, RETIMES times at
 most, the least spread kept; still noisy, the row says why (``noisy``) and the tables leave it out

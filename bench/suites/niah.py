@@ -52,9 +52,9 @@ answer digits are 2-5% of a needle window); weighting the answer tokens (``answe
 all-needle 128-token windows forms the copy circuit within a CPU budget, hence the standard
 preset's NIAH LMs. One needle per haystack: telling two needles apart is a matter of the LM's
 budget (an induction copy comes before a key-bound one), not of its memory. The calibration runs:
-docs/niah.md.
+docs/journal/niah.md.
 
-The memory the only route (issue 39; the pilots: docs/niah.md). The standard preset's NIAH LMs
+The memory the only route (issue 39; the pilots: docs/journal/niah.md). The standard preset's NIAH LMs
 (``model``: the preset's backbone with these changes, for the suite's own LMs) have every mixer a
 4-token sliding window: 4 blocks reach 12 tokens back, and from any answer position the needle's
 digits are at least 22 tokens away, so the backbone alone cannot copy a needle and a row above it
@@ -73,7 +73,7 @@ comes from the needle's own slots written again, not from reads that find them m
 share of the read falls with each pass).
 
 The 128K-token check (not in the default run; peak RSS and speed of untrained models, one layer
-per process: docs/niah.md holds the figures)::
+per process: docs/journal/niah.md holds the figures)::
 
     python -m memzoo.bench.suites.niah --preset standard --layers fwpkm --lengths 131072 --iters 1 --samples 1 --untrained
 """

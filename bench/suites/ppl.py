@@ -35,7 +35,7 @@ paper trains them), so that what ``carry`` asks of them at evaluation is what th
 The memory the only route (``model``: the preset's backbone with these changes, for the LMs;
 the standard preset's mixers are 4-token sliding windows, 12 tokens of reach over its 4 blocks):
 each sequence's backbone starts empty, and within it reaches a few tokens back, so a carried gain
-and the probe's gain come through the memory alone. The measurements: docs/ppl.md.
+and the probe's gain come through the memory alone. The measurements: docs/journal/ppl.md.
 
 The repeated-passage probe (setting ``{"corpus": "repeat", "mode": "carry"}``): ``passages``
 held-out passages of ``passage_len`` tokens (the sonnets, unseen in training), each read

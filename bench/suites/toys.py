@@ -29,7 +29,7 @@ moves its fast weights ~1e-4 of a read, so it learns the pairs slowly: at a smal
 recall preset's budget (``recall-10x-seeds``). ``fwpkm/token`` peaks early and then wears down (its
 addressing loss moves the sub-keys it wrote under); a row reads the peak. FWL's features (width and
 hidden) outnumber the 32 key tokens at width 64, so it holds every pair; its curve falls at a narrow
-state (``fwl/narrow``, width 8). The measurements: docs/toys.md.
+state (``fwl/narrow``, width 8). The measurements: docs/journal/toys.md.
 
 Protocol, per cell (layer, task, width, seed):
 
@@ -49,7 +49,7 @@ Protocol, per cell (layer, task, width, seed):
    validation score picks one; if it lies at an edge of the lrs tried, the next lr beyond it (÷3
    or ×3) is trained too, up to ``MAX_BEYOND`` times, so that no lr is chosen at the edge of its
    grid. A cell at chance at every lr of its grid first tries one lr past each edge, since the lr
-   that trains within the budget may lie outside the grid (docs/toys.md, "A grid at chance tries
+   that trains within the budget may lie outside the grid (docs/journal/toys.md, "A grid at chance tries
    past both edges"); at chance there too, it chooses none. Only then are the test sets scored.
 4. *Seeds.* ``seeds`` per cell, one row each; tables show the mean, a 95% t-interval, the seeds
    that left chance, and mark a layer whose interval lies wholly above (▲) or below (▼) the baseline's.
@@ -71,7 +71,7 @@ chunk as long as the sequence (the paper's plain FWL) and learns from the sequen
 (its L_t), not from the task's labels, which MQAR puts on the queries only. Training runs in bf16 autocast with
 torch.compile (``precision``, ``compile``); evaluation in fp32 eager. ``python -m
 memzoo.bench.report.reruns DIR`` reads a rerun beside the published rows. Why each choice,
-with its measurements: docs/toys.md; speed: docs/performance.md.
+with its measurements: docs/journal/toys.md; speed: docs/journal/performance.md.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def _lookup_kernel(Q, KEYS, SCORES, INDEX, SUB_S, SUB_I, PAIR,
 
 
 # The merge keeps a [BLOCK_M, k²] candidate tile in registers: at PKM's k = 32 (16K floats a program)
-# the lookup stalled on an H200 (docs/performance.md), so the layers use it up to this k.
+# the lookup stalled on an H200 (docs/journal/performance.md), so the layers use it up to this k.
 LOOKUP_MAX_K = 16
 
 

@@ -77,7 +77,7 @@ states so far, and A is formed once at the block's end, so training keeps an R×
 backward, not a token. Its ~10 small ops a token (and twice as many backward) are bound by
 dispatch, so training on a CPU runs each block as one graph compiled by torch.compile (the same
 ops, fused; one compile per shape and hyper-parameters, then reused by every layer):
-docs/performance.md.
+docs/journal/performance.md.
 """
 
 from __future__ import annotations

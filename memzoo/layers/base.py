@@ -95,7 +95,7 @@ def state_precision(device: torch.device):
 class Compiled:
     """`fn` compiled by torch.compile (static shapes, one graph) on first call: for a layer's loop
     of small ops when training on a CPU, where eager ops are bound by dispatch (fused they ran
-    1.6-2.5x faster: docs/performance.md). Returns None where it cannot compile (no C++ compiler,
+    1.6-2.5x faster: docs/journal/performance.md). Returns None where it cannot compile (no C++ compiler,
     an unsupported platform); then it warns once and the caller runs `fn` eager: correct, slower.
     Each new shape or option compiles another graph, up to `graphs` for the function."""
 

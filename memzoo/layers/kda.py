@@ -12,7 +12,7 @@ f_t = W_f↑ W_f↓ x_t (rank head_v_dim) and log α_t = −exp(A_log) · softpl
 per head (A ~ U(1, 16)) and one dt_bias per key channel, initialised as fla's KDA model initialises it
 (``KDAPreTrainedModel._init_weights``: Mamba-2's softplus(dt_bias) ~ logU(1e-3, 1e-1); the layer's own
 zeros, which the model overwrites, start every channel at α = e^{−A·0.69} ≤ 0.5 a token, a memory that
-forgets a pair before its query: at chance in the recall preset at every lr, docs/toys.md). k, v, β, the short convolutions and
+forgets a pair before its query: at chance in the recall preset at every lr, docs/journal/toys.md). k, v, β, the short convolutions and
 the pointwise query are DeltaNet's (memzoo/layers/deltanet.py); the output gate is low-rank too
 (rank head_v_dim, with a bias), through a sigmoid.
 

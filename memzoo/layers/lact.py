@@ -72,7 +72,7 @@ Cost: the chunks run in order, each a read and an update of some 30 ops on [B, H
 (and twice as many backward). At small chunks these are bound by dispatch, so training on a CPU
 (batches of ``COMPILE_TOKENS`` tokens or more, four chunks or more) runs each chunk's read and
 update (:func:`lact_chunk`) as one graph compiled by torch.compile: the same ops, fused; one
-compile per shape and options (docs/performance.md).
+compile per shape and options (docs/journal/performance.md).
 
 Initialisation (modeling_lact.py ``_init_weights``): every slow linear layer N(0, 0.02²) with
 zero bias (the FwPKM authors' ``initializer_range``), qk scale 1 and offset 0; so at the start

@@ -13,7 +13,7 @@ The weights are stored taps first, ``w [c, C]`` (the transpose of conv1d's ``[C,
 tap j's C weights lie side by side, as the inputs' channels do: torch.compile's CPU code then runs
 the multiply-adds in vector registers. With conv1d's layout the weight's stride along the channels
 is c, and inductor wrote every loop that reads it as scalar code (a transposed copy made in the
-graph is folded back into the strided read). Measured: docs/performance.md.
+graph is folded back into the strided read). Measured: docs/journal/performance.md.
 """
 
 from __future__ import annotations
