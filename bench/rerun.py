@@ -59,7 +59,7 @@ def _toys(row: dict, rows: list[dict]) -> list[tuple[str, float, float, float]]:
         else {"mqar_seq_len": data["seq_len"], "mqar_kv": list(data["kv"])}
     s = toys.Settings(tasks=["mqar"], mqar_vocab=data["vocab"], power_a=data["power_a"], mqar_gap=data.get("gap", 0),
                       **slices, **keep)
-    task = toys.Task("mqar", s)
+    task = toys.MQAR(s)
     torch.set_num_threads(max(1, row["hardware"].get("threads") or 1))
     fit = toys.train_cell(ModelConfig.from_dict(cfg["model"]), task, row["metrics"]["lr"], s, row["seed"], "cpu")
     acc = toys.evaluate(fit.model, task.test, task.eval_batch)

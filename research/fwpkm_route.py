@@ -74,7 +74,7 @@ def run(form: str, steps: int, every: int, seed: int = 0, width: int = 128, batc
     s.max_steps, s.min_steps, s.eval_every, s.patience, s.val_size = steps, steps, every, steps, 128
     s.widths, s.batch_size = [width], batch
     s.variants = {"fwpkm/probe": {"layer": "fwpkm", "at": at, "options": opts}}
-    task = toys.Task("mqar", s)
+    task = toys.MQAR(s)
     mc = toys.toy_config(preset, "fwpkm/probe", s.widths[0], task.vocab, s)
     n = s.mqar_kv[0]
     x, y = (t[:64] for t in task.val[n])

@@ -46,7 +46,7 @@ def run(form: str) -> dict:
     s = toys.Settings(mqar_vocab=256, mqar_seq_len=64, mqar_kv=[4, 8, 16], batch_size=64, max_steps=800,
                       eval_every=800, warmup=50, lrs=[3e-3], val_size=256, test_size=256, layer_options={"fwpkm": fw},
                       model={"gdn_chunk": 64})
-    task = toys.Task("mqar", s)
+    task = toys.MQAR(s)
     mc = toys.toy_config(load_preset("tiny"), layer, 64, task.vocab, s)
     fit = toys.train_cell(mc, task, 3e-3, s, seed=0)
     acc = toys.evaluate(fit.model, task.test, s.batch_size)
@@ -62,7 +62,7 @@ def capacity_probe(seed: int) -> dict:
 
     preset = load_preset("capacity")
     s = preset.settings(toys.NAME, toys.Settings)
-    task = toys.Task("mqar", s)
+    task = toys.MQAR(s)
     name = "fwpkm/shared"
     mc = toys.toy_config(preset, name, s.widths[0], task.vocab, s)
     fit = toys.train_cell(mc, task, s.candidates(name)[0], s, seed)

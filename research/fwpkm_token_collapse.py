@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     tune_cpu()
     preset = load_preset("recall")
     s = preset.settings(toys.NAME, toys.Settings)
-    task = toys.Task("mqar", s)
+    task = toys.MQAR(s)
     for kv in a.option:
         k, v = kv.split("=", 1)
         s.variants[a.layer]["options"][k] = ast.literal_eval(v)

@@ -63,7 +63,7 @@ def run(layer: str, steps: int, lr: float, seed: int = 0, options: dict | None =
             probe["at"] = at
         layer = f"{layer}+{json.dumps(options or {}, sort_keys=True)}" + (f"@{at}" if at else "")
         s.variants = {**s.variants, layer: probe}
-    task = toys.Task("mqar", s)
+    task = toys.MQAR(s)
     mc = toys.toy_config(preset, layer, s.widths_of(layer)[0], task.vocab, s)
     fit = toys.train_cell(mc, task, lr, s, seed)
     return {"layer": layer, "lr": lr, "steps": fit.steps, "best_val": round(fit.val, 3), "stop": fit.stop,

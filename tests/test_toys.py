@@ -322,7 +322,7 @@ def test_solved_on_the_mean_or_on_every_slice():
     assert toys.solved({8: 0.99, 16: 0.995}, toys.Settings(target=0.99, solve_on="every"))
     with pytest.raises(ConfigError, match="solve_on"):
         toys.Settings(solve_on="min").check()
-    task = toys.Task("mqar", toys.Settings(val_size=2, test_size=2))
+    task = toys.MQAR(toys.Settings(val_size=2, test_size=2))
     mc = toys.toy_config(load_preset("tiny"), BASELINE, 16, task.vocab, toys.Settings())
     assert toys.cell_config(mc, task.name, toys.Settings(), BASELINE)["train"]["solve_on"] == "mean"
     assert toys.cell_config(mc, task.name, toys.Settings(solve_on="every"), BASELINE)["train"]["solve_on"] == "every"
@@ -478,7 +478,7 @@ def test_interval_marks_against_the_baseline():
 
 def test_evaluation_leaves_persistent_memories_as_they_were(tmp_path):
     s = toys.Settings(**{k: v for k, v in MICRO.items() if k != "tasks"}, layer_options={"fwpkm": {"chunk_size": 8}})
-    task = toys.Task("mqar", s)
+    task = toys.MQAR(s)
     mc = toys.toy_config(load_preset("tiny"), "fwpkm", 16, task.vocab, s)
     torch.manual_seed(0)
     model = HybridLM(mc)
@@ -730,7 +730,7 @@ def test_a_stopped_cell_continues_from_its_checkpoint(tmp_path, monkeypatch):
     checkpoint and ends exactly as the training that was never stopped: the same curve, loss
     and weights; the checkpoint is gone once the cell ends."""
     s = toys.Settings(**{**MICRO, "tasks": ["mqar"], "max_steps": 12, "lrs": [1e-2]})
-    task = toys.Task("mqar", s)
+    task = toys.MQAR(s)
     mc = toys.toy_config(load_preset("tiny"), "linear", 16, task.vocab, s)
     whole = toys.train_cell(mc, task, 1e-2, s, seed=0)
     monkeypatch.setattr(toys, "CHECKPOINT_EVERY_S", 0.0)
@@ -852,7 +852,7 @@ def test_mqar_at_several_lengths_takes_the_lengths_in_turn_with_their_batches():
     s = toys.Settings(mqar_vocab=64, mqar_slices=[[16, 1], [16, 2], [32, 4]], batch_size=6, batch_by_length={32: 2},
                       val_size=5, test_size=3, mqar_gap=0)
     s.check()
-    task = toys.Task("mqar", s)
+    task = toys.MQAR(s)
     assert task.slices == [(16, 1), (16, 2), (32, 4)] and task.lengths == [16, 32] and task.seq_len == 32
     g = torch.Generator().manual_seed(0)
     shapes = [tuple(task.batch(i, g)[0].shape) for i in range(4)]
@@ -865,7 +865,7 @@ def test_mqar_at_several_lengths_takes_the_lengths_in_turn_with_their_batches():
     assert [task.eval_batch(k) for k in task.slices] == [6, 6, 2]
     assert [toys.slice_name(k) for k in task.slices] == ["1@16", "2@16", "4@32"]
     assert sorted(["4@32", "2@16", "12", "1@16"], key=toys.slice_order) == ["12", "1@16", "2@16", "4@32"]
-    assert toys.Task.mean_length("mqar", s) == (16 * 6 + 32 * 2) / 2 / 6  # tokens a step, in sequences of batch_size
+    assert toys.MQAR.mean_length(s) == (16 * 6 + 32 * 2) / 2 / 6  # tokens a step, in sequences of batch_size
 
 
 def test_mqar_slices_are_checked():

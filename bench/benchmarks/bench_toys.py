@@ -51,7 +51,7 @@ def cell(layer: str):
 
     preset = load_preset("standard")
     s = preset.settings("toys", toys.Settings)
-    task = toys.Task("mqar", s)
+    task = toys.MQAR(s)
     return toys.toy_config(preset, layer, s.widths[0], task.vocab, s), task, s
 
 

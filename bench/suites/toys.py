@@ -356,31 +356,19 @@ def slice_name(key) -> str:
 
 
 class Task:
-    """Training batches (a pure function of the generator), and the validation and test sets of
-    each slice (kv count or pairs; with ``mqar_slices``, (seq_len, kv)), from generators of their own."""
+    """A toys task: training batches (a pure function of the generator), and the validation and
+    test sets of each slice, from generators of their own. One class per task (`TASK_TYPES`, by
+    name); the suite asks a task, it never branches on the task's name. A subclass gives ``name``,
+    ``vocab_of(s)``, ``mean_length(s)``, ``data(s)`` (what a row's config records of it), and sets
+    ``slices``, ``lengths``, ``seq_len`` and ``chance`` before calling this ``__init__``, with
+    ``_make`` (a set of sequences) and ``batch`` (a training batch)."""
 
-    @staticmethod
-    def vocab_of(name: str, s: Settings) -> int:
-        return s.mqar_vocab if name == "mqar" else ar.VOCAB_SIZE
+    name: str = ""
+    slices: list
+    lengths: list  # the training lengths, in turn (one length: [None])
 
-    @staticmethod
-    def mean_length(name: str, s: Settings) -> float:
-        """Tokens per training sequence, on average over the steps (with several lengths, weighted
-        by their batches, in sequences of ``batch_size``)."""
-        if name == "mqar" and s.mqar_slices:
-            lengths = sorted({sl[0] for sl in s.mqar_slices})
-            return sum(n * s.batch_of(n) for n in lengths) / len(lengths) / s.batch_size
-        return s.mqar_seq_len if name == "mqar" else sum(2 * n + 3 for n in s.ar_pairs) / len(s.ar_pairs)
-
-    def __init__(self, name: str, s: Settings):
-        self.name, self.s = name, s
-        self.vocab = self.vocab_of(name, s)
-        several = name == "mqar" and bool(s.mqar_slices)
-        self.slices = [tuple(sl) for sl in s.mqar_slices] if several else list(s.mqar_kv if name == "mqar" else s.ar_pairs)
-        #: the training lengths, in turn (one length: a single entry)
-        self.lengths = sorted({sl[0] for sl in self.slices}) if several else [None]
-        self.seq_len = (max(self.lengths) if several else s.mqar_seq_len) if name == "mqar" else 2 * max(self.slices) + 3
-        self.chance = 2 / s.mqar_vocab if name == "mqar" else 1 / 10
+    def __init__(self, s: Settings):
+        self.s, self.vocab = s, self.vocab_of(s)
         self.val = {k: self._make(s.val_size, k, torch.Generator().manual_seed(7_919 + self._offset(k))) for k in self.slices}
         self.test = {k: self._make(s.test_size, k, torch.Generator().manual_seed(10_007 + self._offset(k)))
                      for k in self.slices}
@@ -401,26 +389,93 @@ class Task:
         full, part = divmod(steps, len(per))
         return full * sum(per) + sum(per[:part])
 
+
+class MQAR(Task):
+    """Multi-query associative recall (Zoology): each slice a kv count (with ``mqar_slices``,
+    (seq_len, kv)); a training batch mixes every kv count of its length in equal parts."""
+
+    name = "mqar"
+
+    @staticmethod
+    def vocab_of(s: Settings) -> int:
+        return s.mqar_vocab
+
+    @staticmethod
+    def mean_length(s: Settings) -> float:
+        """Tokens per training sequence, on average over the steps (with several lengths, weighted
+        by their batches, in sequences of ``batch_size``)."""
+        if not s.mqar_slices:
+            return s.mqar_seq_len
+        lengths = sorted({sl[0] for sl in s.mqar_slices})
+        return sum(n * s.batch_of(n) for n in lengths) / len(lengths) / s.batch_size
+
+    @staticmethod
+    def data(s: Settings) -> dict:
+        if s.mqar_slices:  # several lengths: the slices and their batches replace seq_len and kv
+            return {"vocab": s.mqar_vocab, "slices": [list(sl) for sl in s.mqar_slices], "power_a": s.power_a,
+                    "gap": s.mqar_gap, "batch_by_length": {str(k): v for k, v in sorted(s.batch_by_length.items())}}
+        return {"vocab": s.mqar_vocab, "seq_len": s.mqar_seq_len, "kv": s.mqar_kv, "power_a": s.power_a, "gap": s.mqar_gap}
+
+    def __init__(self, s: Settings):
+        several = bool(s.mqar_slices)
+        self.slices = [tuple(sl) for sl in s.mqar_slices] if several else list(s.mqar_kv)
+        self.lengths = sorted({sl[0] for sl in self.slices}) if several else [None]
+        self.seq_len = max(self.lengths) if several else s.mqar_seq_len
+        self.chance = 2 / s.mqar_vocab
+        super().__init__(s)
+
     def _make(self, size: int, key, g: torch.Generator):
         s = self.s
-        if self.name == "mqar":
-            length, n = key if isinstance(key, tuple) else (s.mqar_seq_len, key)
-            return tuple(mqar.make_batch(size, n, length, s.mqar_vocab, s.power_a, g, gap=s.mqar_gap))
-        b = ar.make_batch(size, key, g)  # the answer is the prediction at the last position (the query)
+        length, n = key if isinstance(key, tuple) else (s.mqar_seq_len, key)
+        return tuple(mqar.make_batch(size, n, length, s.mqar_vocab, s.power_a, g, gap=s.mqar_gap))
+
+    def batch(self, step: int, g: torch.Generator):
+        s = self.s
+        if self.lengths == [None]:  # every kv count in each batch
+            return tuple(mqar.mixed_batch(s.batch_size, self.slices, s.mqar_seq_len, s.mqar_vocab, s.power_a, g,
+                                          gap=s.mqar_gap))
+        length = self.lengths[step % len(self.lengths)]  # one length a step, in turn; its kv counts in each batch
+        kvs = [n for n_len, n in self.slices if n_len == length]
+        return tuple(mqar.mixed_batch(s.batch_of(length), kvs, length, s.mqar_vocab, s.power_a, g, gap=s.mqar_gap))
+
+
+class AssocRetrieval(Task):
+    """Ba et al.'s associative retrieval (``c9k8j3f1??c -> 9``): each slice a count of pairs, the
+    answer the prediction at the last position; a training batch holds one count, in turn."""
+
+    name = "ar"
+
+    @staticmethod
+    def vocab_of(s: Settings) -> int:
+        return ar.VOCAB_SIZE
+
+    @staticmethod
+    def mean_length(s: Settings) -> float:
+        return sum(2 * n + 3 for n in s.ar_pairs) / len(s.ar_pairs)
+
+    @staticmethod
+    def data(s: Settings) -> dict:
+        return {"pairs": s.ar_pairs}
+
+    def __init__(self, s: Settings):
+        self.slices, self.lengths = list(s.ar_pairs), [None]
+        self.seq_len = 2 * max(self.slices) + 3
+        self.chance = 1 / 10
+        super().__init__(s)
+
+    def _make(self, size: int, key, g: torch.Generator):
+        b = ar.make_batch(size, key, g)
         t = torch.full_like(b.tokens, mqar.IGNORE)
         t[:, -1] = b.answer
         return b.tokens, t
 
     def batch(self, step: int, g: torch.Generator):
-        s = self.s
-        if self.name == "mqar" and self.lengths != [None]:  # one length a step, in turn; its kv counts in each batch
-            length = self.lengths[step % len(self.lengths)]
-            kvs = [n for n_len, n in self.slices if n_len == length]
-            return tuple(mqar.mixed_batch(s.batch_of(length), kvs, length, s.mqar_vocab, s.power_a, g, gap=s.mqar_gap))
-        if self.name == "mqar":  # every kv count in each batch
-            return tuple(mqar.mixed_batch(s.batch_size, self.slices, s.mqar_seq_len, s.mqar_vocab, s.power_a, g,
-                                          gap=s.mqar_gap))
-        return self._make(s.batch_size, self.slices[step % len(self.slices)], g)  # lengths differ: cycle
+        return self._make(self.s.batch_size, self.slices[step % len(self.slices)], g)  # lengths differ: cycle
+
+
+#: the tasks by name (`Settings.tasks`, a row's ``setting.task``)
+TASK_TYPES = {t.name: t for t in (MQAR, AssocRetrieval)}
+assert tuple(TASK_TYPES) == TASKS
 
 
 # ---- training and evaluation ---------------------------------------------------------------
@@ -580,11 +635,7 @@ def solved(acc: dict[int, float], s: Settings) -> bool:
 
 def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
     """Everything one cell's numbers depend on (its hash decides whether a resumed run skips it)."""
-    data = ({"vocab": s.mqar_vocab, "seq_len": s.mqar_seq_len, "kv": s.mqar_kv, "power_a": s.power_a, "gap": s.mqar_gap}
-            if task == "mqar" else {"pairs": s.ar_pairs})
-    if task == "mqar" and s.mqar_slices:  # several lengths: the slices and their batches replace seq_len and kv
-        data = {"vocab": s.mqar_vocab, "slices": [list(sl) for sl in s.mqar_slices], "power_a": s.power_a,
-                "gap": s.mqar_gap, "batch_by_length": {str(k): v for k, v in sorted(s.batch_by_length.items())}}
+    data = TASK_TYPES[task].data(s)
     keep = ("max_steps", "min_steps", "eval_every", "patience", "min_delta", "loss_delta", "target", "batch_size", "warmup",
             "min_lr_ratio", "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size", "solve_on")
     train = {k: getattr(s, k) for k in keep}
@@ -601,7 +652,7 @@ def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
 
 def cell_key(ctx: Context, s: Settings, name: str, task: str, width: int, seed: int) -> tuple:
     """(model config, config, setting, the row already recorded or None) of one cell."""
-    mc = toy_config(ctx.preset, name, width, Task.vocab_of(task, s), s)
+    mc = toy_config(ctx.preset, name, width, TASK_TYPES[task].vocab_of(s), s)
     check_route(mc, name, s)
     config, setting = cell_config(mc, task, s, name), {"task": task, "d_model": width, "route": s.route}
     return mc, config, setting, ctx.recorded(NAME, name, setting, config, seed)
@@ -645,7 +696,7 @@ def parts(ctx: Context, layer: str) -> list[tuple[tuple, float, tuple]]:
     graphs from the run's cache): resuming with every group's first seed recorded, two workers
     had taken MoM's seeds 1 and 2 side by side and compiled the same graphs at once."""
     s = ctx.preset.settings(NAME, Settings)
-    tokens = {t: Task.mean_length(t, s) for t in s.tasks}
+    tokens = {t: TASK_TYPES[t].mean_length(s) for t in s.tasks}
     return [(cell, s.max_steps * len(s.candidates(cell[0])) * tokens[cell[1]] / s.mqar_seq_len,
              None if cell_key(ctx, s, *cell)[3] is not None else cell[:3])
             for cell in _plan(ctx, [layer])]
@@ -668,7 +719,7 @@ def run(ctx: Context, layers: list[str], only: list[tuple] | None = None) -> lis
             ctx.advance(s.max_steps * len(s.candidates(name)), f"toys {name} (recorded)")
             continue
         if tname not in tasks:  # built on first use: its validation and test sets take a moment
-            tasks[tname] = Task(tname, s)
+            tasks[tname] = TASK_TYPES[tname](s)
         rows.append(_cell(ctx, name, tasks[tname], width, mc, config, setting, s, seed))
     return rows
 
