@@ -20,7 +20,6 @@ had a GPU (rows record the machine, ``hardware``, not the device a run chose).
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 from memzoo.bench.common import read_results
 

@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check needs a CUDA device (none here); --dry-run lists what it would run", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    from memzoo.bench.common import published_rows
     from memzoo.ops.gated_delta_rule import gdn_op
 
     device = torch.cuda.get_device_name()

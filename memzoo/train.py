@@ -30,13 +30,14 @@ import contextlib
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from memzoo.backbone.model import HybridLM, MemzooConfig
 from memzoo.cpu import _bf16_gemms_in_fp32_pass, cpu_bf16_gemm_is_slow, tune_cpu
-from memzoo.config import ConfigError, RunConfig
+from memzoo.config import ConfigError, RunConfig, TrainConfig
 from memzoo.distributed import World, full_state, load_full_state, no_sync
 from memzoo.storage import ensure_writable_dir, load_tensors, torch_save, write_text
 
@@ -290,7 +291,7 @@ def fit(step, steps: int, *, start: int = 0, every: int = 0, after_step=None, ev
     return max(start, steps), ""
 
 
-def _out_dir(tc: "TrainConfig", world: World, resume: bool, overwrite: bool) -> tuple["Path", str]:
+def _out_dir(tc: TrainConfig, world: World, resume: bool, overwrite: bool) -> tuple[Path, str]:
     """The run's out dir and this rank's device (cuda:LOCAL_RANK under torchrun): a dir holding
     another run is refused unless `resume` or `overwrite` (its files deleted, by rank 0 once every
     rank has looked)."""

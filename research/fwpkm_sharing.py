@@ -1,7 +1,7 @@
 """Why FwPKM made MQAR recall worse than no memory: its memory shared by the batch.
 Finding: docs/journal/toys.md, "Why FwPKM's memory is per sequence here".
 
-The diagnosis behind the toys suite's FwPKM setting (see bench/suites/toys.py): MQAR at a
+The diagnosis behind the toys suite's FwPKM setting (see bench/suites/toys/): MQAR at a
 CPU-sized Zoology scale (64 tokens, vocabulary 256, 4/8/16 pairs, batch 64, width 64, lr 3e-3,
 800 steps, seed 0, GDN chunk 64, validation-free: the model after the last step), the 2-layer GDN alone and
 with FwPKM (64² slots of dim 64, top-8, chunk 8) in its last block, in the forms below. Each

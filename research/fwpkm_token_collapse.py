@@ -62,12 +62,12 @@ def main(argv=None) -> None:
     mc = toys.toy_config(preset, a.layer, s.widths[0], task.vocab, s)
     made = []
 
-    class Grab(toys.HybridLM):
+    class Grab(toys.training.HybridLM):
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw)
             made.append(self)
 
-    toys.HybridLM = Grab
+    toys.training.HybridLM = Grab  # the model train_cell builds
     key12 = max(task.val)
     x, y = (t[:32] for t in task.val[key12])  # one evaluation batch
     half = task.vocab // 2

@@ -491,8 +491,8 @@ def test_a_toys_variant_runs_alone(tmp_path):
     with pytest.raises(ConfigError, match="unknown layer 'nope/token'"):
         check_layers(["nope/token"])
     s = load_preset("recall").settings(toys.NAME, toys.Settings)
-    assert toys.cells("fwpkm/token", s) == ["fwpkm/token"]
-    assert toys.cells("fwpkm", s) == ["fwpkm", "fwpkm/shared", *sorted(n for n in s.variants if n.startswith("fwpkm/t"))]
+    assert toys.models_of("fwpkm/token", s) == ["fwpkm/token"]
+    assert toys.models_of("fwpkm", s) == ["fwpkm", "fwpkm/shared", *sorted(n for n in s.variants if n.startswith("fwpkm/t"))]
     with pytest.raises(ConfigError, match="a variant is a row of the toys or niah suite, not of cost"):
         run_bench("fwpkm/token", "cost", "recall", out=tmp_path, work_dir=tmp_path, progress=False)
     with pytest.raises(ConfigError, match="preset recall defines no such niah variant; it defines fwpkm/seq"):
@@ -807,6 +807,36 @@ def test_gpu_check_runs_the_gpu_issues_slices_only_when_named(capsys, tmp_path):
     assert gpu_check.figures("recall", tmp_path, "") == ["linear d=64 seed 0: test 0.991 (solved, lr 0.003, 123,456 sequences)"]
     log = "memzoo bench: CUDA is available: preset gpu, the default on a GPU\nx\nmemzoo bench: 14 rows in 300 s -> f\n"
     assert gpu_check.figures("main", tmp_path, log) == log.splitlines()[::2]
+
+
+def test_gpu_check_runs_every_step_through_its_loop_on_a_stand_in_device(tmp_path, monkeypatch):
+    """main's loop on the CPU, every step named, CUDA and the steps' commands stood in for: each step
+    runs, is summarised, and the recall step resumes from a copy of the published rows and keeps only
+    the rows its command added (the part of the loop no --dry-run reaches)."""
+    import sys
+
+    from memzoo.bench import gpu_check
+    from memzoo.ops import gated_delta_rule
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in GPU")
+    monkeypatch.setattr(gated_delta_rule, "gdn_op", lambda device: "torch")
+    added = json.dumps({"suite": "toys", "layer": "linear", "seed": 0, "setting": {"d_model": 64},
+                        "metrics": {"accuracy": 0.5, "stop": "capped", "lr": 1e-3, "sequences": 64}})
+
+    def command(self, out, scratch, train_steps):
+        rows = scratch / "recall" / "results.jsonl"
+        code = f"open({str(rows)!r}, 'a').write({added!r} + '\\n')" if self.name == "recall" else "print('ok')"
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(gpu_check.Step, "command", command)
+    names = [s.name for s in gpu_check.ORDER]
+    assert gpu_check.main(["--out", str(tmp_path), "--only", ",".join(names), "--budget", "100000"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["device"] == "Stand-in GPU" and list(summary["steps"]) == names
+    assert all(r["status"] == "passed" for r in summary["steps"].values())
+    assert (tmp_path / "recall.jsonl").read_text().splitlines() == [added]
+    assert "Stand-in GPU" in (tmp_path / "summary.md").read_text()
 
 
 def test_gpu_check_pack_counts_cells_an_hour_at_each_jobs(tmp_path):

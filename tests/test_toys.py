@@ -1,5 +1,5 @@
 """Tests for the toys suite: the MQAR generator (zoology's multiquery_ar semantics) and a
-micro run of bench/suites/toys.py (training, rows, tables, figures)."""
+micro run of bench/suites/toys/ (training, rows, tables, figures)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import memzoo.layers  # noqa: F401  (registers the layers)
 from memzoo.bench.suites import toys
 from memzoo.bench.report import toys as toys_report
 from memzoo.backbone.model import HybridLM
-from memzoo.bench.common import BASELINE, POSITIVE, Context, Recorder, load_preset, mean_ci
+from memzoo.bench.common import BASELINE, CONTROLS, POSITIVE, Context, Recorder, load_preset, mean_ci
 from memzoo.config import ConfigError
 from memzoo.data import mqar
 
@@ -196,7 +196,7 @@ def test_toy_config_places_the_layer_and_merges_options():
     at0 = toys.Settings(variants={"fwpkm/first": {"layer": "fwpkm", "at": "0", "options": {"before_mixer": True}}})
     first = toys.toy_config(preset, "fwpkm/first", 64, 32, at0)
     assert first.layout == "SWA | fwpkm@0" and first.memory["fwpkm"]["before_mixer"] is True
-    pos, neg = toys.toy_config(preset, toys.POSITIVE, 32, 37, s), toys.toy_config(preset, toys_report.NEGATIVE, 32, 37, s)
+    pos, neg = toys.toy_config(preset, POSITIVE, 32, 37, s), toys.toy_config(preset, toys_report.NEGATIVE, 32, 37, s)
     assert (pos.layout, pos.attn_conv, pos.memory) == ("FA", preset.backbone.get("gdn_conv", 4), {})
     assert (neg.layout, neg.memory) == ("NONE", {})
 
@@ -247,7 +247,7 @@ def test_memory_route_is_checked_against_the_backbones_reach():
     preset = load_preset("tiny")
     s = preset.settings(toys.NAME, toys.Settings)
     assert s.route == "memory" and s.mqar_gap == 8
-    for name in ("fwpkm", "pkm", "mom", BASELINE, *toys.CONTROLS):
+    for name in ("fwpkm", "pkm", "mom", BASELINE, *CONTROLS):
         toys.check_route(toys.toy_config(preset, name, 64, 64, s), name, s)
     short = toys.Settings(mqar_gap=4)
     with pytest.raises(ConfigError, match="reaches 6 tokens back, but a query may lie 5 tokens after its pair"):
@@ -267,7 +267,7 @@ def test_memory_route_makes_models_without_fast_weights_negative_controls():
     recall. Seeds that leave chance are counted beside each mean."""
     def rows(base_acc):
         out = []
-        for layer, acc, mem in ((BASELINE, base_acc, 0), ("pkm", 0.25, 0), ("fwpkm", 0.9, 64), (toys.POSITIVE, 1.0, 0),
+        for layer, acc, mem in ((BASELINE, base_acc, 0), ("pkm", 0.25, 0), ("fwpkm", 0.9, 64), (POSITIVE, 1.0, 0),
                                 (toys_report.NEGATIVE, 0.25, 0)):
             for seed in range(3):
                 r = _row(layer, seed, acc if layer != "fwpkm" or seed else 0.25)
@@ -281,7 +281,7 @@ def test_memory_route_makes_models_without_fast_weights_negative_controls():
     title, table = next(iter(toys_report.tables(ok).items()))
     assert title == "MQAR test accuracy by key-value pairs" + toys_report.MEMORY_ROUTE
     left = dict(zip(table["layer"], table["left chance"]))
-    assert left == {BASELINE: "0/3", "fwpkm": "2/3", "pkm": "0/3", toys.POSITIVE: "3/3", toys_report.NEGATIVE: "0/3"}
+    assert left == {BASELINE: "0/3", "fwpkm": "2/3", "pkm": "0/3", POSITIVE: "3/3", toys_report.NEGATIVE: "0/3"}
     bad = rows(0.6)  # the backbone recalls: it reaches past the memory
     assert toys_report.validity(bad, "mqar") == [
         f"{BASELINE}, which has no fast weights, recalls 0.600 at kv={k}, d=16: above twice chance (0.250), so the "
@@ -337,7 +337,7 @@ def test_mean_ci_by_hand():
 def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     ctx = _ctx(tmp_path, resume=True)
     rows = toys.run(ctx, [BASELINE, "fwpkm"])
-    models = [BASELINE, "fwpkm", *toys.CONTROLS]
+    models = [BASELINE, "fwpkm", *CONTROLS]
     assert len(rows) == len(models) * 2 * 2 * 2  # models x tasks x widths x seeds
     saved = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(saved) == len(rows)
@@ -366,7 +366,7 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     base = {(r["setting"]["task"], r["setting"]["d_model"]): r["metrics"] for r in rows if r["layer"] == BASELINE}
     assert base[("mqar", 16)]["gdn_state"] == 2 * 4 * 4 * 4  # 2 GDN layers x 4 heads x 4^2
     assert base[("mqar", 16)]["mem_state"] == 0
-    att = [r["metrics"] for r in rows if r["layer"] == toys.POSITIVE and r["setting"] == {"task": "mqar", "d_model": 16, "route": "hybrid"}]
+    att = [r["metrics"] for r in rows if r["layer"] == POSITIVE and r["setting"] == {"task": "mqar", "d_model": 16, "route": "hybrid"}]
     assert att[0]["kv_cache"] == 2 * 2 * 2 * 4 * 16  # 2 layers x (k, v) x 2 kv heads x head 4 x 16 tokens
     fw = [r["metrics"] for r in rows if r["layer"] == "fwpkm"]  # a memory per sequence (tiny's toys)
     assert all(not m["state_shared"] and m["mem_state"] == 64 * 64 * 64 + 2 * 64 * 32 for m in fw)
@@ -401,20 +401,20 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     titles = list(tabs)
     assert titles[0].startswith("HARNESS INVALID for mqar (the positive control reaches only")
     assert titles[1].startswith("HARNESS INVALID for ar")
-    assert set(tabs[titles[0]]["layer"]) == set(toys.CONTROLS)  # no layer rows beside a failed control
+    assert set(tabs[titles[0]]["layer"]) == set(CONTROLS)  # no layer rows beside a failed control
     assert toys_report.figures(df, tmp_path / "none") == []
 
     # make the controls pass: the positive one solves the easiest slice, the negative one is at chance
-    pos, neg = df["layer"] == toys.POSITIVE, df["layer"] == toys_report.NEGATIVE
+    pos, neg = df["layer"] == POSITIVE, df["layer"] == toys_report.NEGATIVE
     df.loc[pos, "metrics.acc_by_kv.1"] = df.loc[pos, "metrics.acc_by_kv.2"] = df.loc[pos, "metrics.accuracy"] = 1.0
     df.loc[neg, "metrics.accuracy"] = df.loc[neg, "metrics.chance"]
     assert toys_report.validity(df, "mqar") == [] and toys_report.validity(df, "ar") == []
     assert toys_report.validity(df[~neg], "mqar") == [f"no rows of {toys_report.NEGATIVE} (toys.controls off, or the run stopped before them)"]
     tabs = toys_report.tables(df)
     mq = tabs["MQAR test accuracy by key-value pairs"]
-    assert list(mq["layer"]) == [BASELINE, BASELINE, "fwpkm", "fwpkm", *[c for c in toys.CONTROLS for _ in (16, 24)]]
+    assert list(mq["layer"]) == [BASELINE, BASELINE, "fwpkm", "fwpkm", *[c for c in CONTROLS for _ in (16, 24)]]
     assert {"kv=1", "kv=2", "mean", "budget (max)", "left chance at", "stop", "lr", "state", "seeds"} <= set(mq.columns)
-    assert mq.loc[mq["layer"] == toys.POSITIVE, "kv=1"].str.startswith("1.000 [").all()
+    assert mq.loc[mq["layer"] == POSITIVE, "kv=1"].str.startswith("1.000 [").all()
     for t in tabs.values():
         assert t.to_markdown()
     paths = toys_report.figures(df, tmp_path / "a")
@@ -431,7 +431,7 @@ def _row(layer, seed, acc, chance=0.25):
 
 
 def test_a_layer_short_of_the_baselines_seeds_is_withheld(tmp_path):
-    rows = [_row(n, s, a) for n, a in ((BASELINE, 0.6), (toys.POSITIVE, 1.0), (toys_report.NEGATIVE, 0.25), ("pkm", 0.8))
+    rows = [_row(n, s, a) for n, a in ((BASELINE, 0.6), (POSITIVE, 1.0), (toys_report.NEGATIVE, 0.25), ("pkm", 0.8))
             for s in range(3)]
     rows += [_row("linear", 0, 0.9)]  # a run stopped after its first seed
     df = pd.json_normalize(rows)
@@ -439,7 +439,7 @@ def test_a_layer_short_of_the_baselines_seeds_is_withheld(tmp_path):
     assert partial == {"mqar": ["linear (1 of 3 seeds)"]} and "linear" not in set(kept["layer"]) and len(kept) == 12
     title, table = next(iter(toys_report.tables(df).items()))
     assert title == "MQAR test accuracy by key-value pairs (withheld until every seed has run: linear (1 of 3 seeds))"
-    assert list(table["layer"]) == [BASELINE, "pkm", *toys.CONTROLS]
+    assert list(table["layer"]) == [BASELINE, "pkm", *CONTROLS]
     assert "linear" not in set(toys_report.tables(df)["Recurrent state per sequence (numbers) and parameters"]["layer"])
     assert toys_report.incomplete(df[df["layer"] != "linear"])[1] == {}  # nothing short: nothing withheld
     capped = {**rows[-1], "metrics": {**rows[-1]["metrics"], "stop": "capped", "sequences": 640}}
@@ -656,7 +656,7 @@ def test_a_variant_with_widths_of_its_own_trains_only_at_them(tmp_path):
     """A size variant (``widths``) adds cells at its widths alone; the layer keeps the preset's."""
     ctx = _ctx(tmp_path, widths=[64], seeds=2, variants={"fwl/narrow": {"layer": "fwl", "widths": [8, 16]}})
     s = ctx.preset.settings(toys.NAME, toys.Settings)
-    plan = list(toys._plan(ctx, ["fwl"]))
+    plan = list(toys.cells(ctx, ["fwl"]))
     assert sorted({(m, w) for m, _, w, _ in plan}) == [("fwl", 64), ("fwl/narrow", 8), ("fwl/narrow", 16)]
     assert len(plan) == len(s.tasks) * 2 * 3  # two seeds of each
     assert toys.work(ctx, "fwl") == len(s.tasks) * s.seeds * s.max_steps * len(s.lrs) * 3
@@ -685,23 +685,23 @@ def test_left_chance_at_is_the_first_evaluation_above_twice_chance():
 
 
 def test_an_lr_chosen_at_the_grids_edge_is_found_by_hand():
-    fit = lambda v: toys.Fit(None, v, 1, "plateau", 0.0, 0.0)  # noqa: E731
-    assert toys.lr_grid({1e-3: fit(0.5), 3e-3: fit(0.4), 1e-2: fit(0.1)}) == (1e-3, True)
-    assert toys.lr_grid({1e-3: fit(0.4), 3e-3: fit(0.5), 1e-2: fit(0.1)}) == (3e-3, False)
-    assert toys.lr_grid({1e-3: fit(0.1), 3e-3: fit(0.4), 1e-2: fit(0.5)}) == (1e-2, True)
-    assert toys.lr_grid({3e-3: fit(0.5), 1e-3: fit(0.5)}) == (3e-3, True)  # ties: the first tried
-    grid = {1e-3: fit(0.5), 3e-3: fit(0.4)}
-    assert toys.beyond(1e-3, grid) == pytest.approx(1e-3 / 3) and toys.beyond(3e-3, grid) == pytest.approx(9e-3)
+    tr = lambda v: toys.Training(None, v, 1, "plateau", 0.0, 0.0)  # noqa: E731
+    assert toys.lr_grid({1e-3: tr(0.5), 3e-3: tr(0.4), 1e-2: tr(0.1)}) == (1e-3, True)
+    assert toys.lr_grid({1e-3: tr(0.4), 3e-3: tr(0.5), 1e-2: tr(0.1)}) == (3e-3, False)
+    assert toys.lr_grid({1e-3: tr(0.1), 3e-3: tr(0.4), 1e-2: tr(0.5)}) == (1e-2, True)
+    assert toys.lr_grid({3e-3: tr(0.5), 1e-3: tr(0.5)}) == (3e-3, True)  # ties: the first tried
+    grid = {1e-3: tr(0.5), 3e-3: tr(0.4)}
+    assert toys.past_edge(1e-3, grid) == pytest.approx(1e-3 / 3) and toys.past_edge(3e-3, grid) == pytest.approx(9e-3)
 
 
 def test_the_lrs_a_cell_trains_by_hand():
     """The grid; at chance everywhere, one lr past each edge; an lr chosen at an edge, the next
     beyond it (twice at most); one lr given, nothing more. Chance 0.03: left it above 0.06."""
-    fit = lambda v: toys.Fit(None, v, 1, "plateau", 0.0, 0.0)  # noqa: E731
+    tr = lambda v: toys.Training(None, v, 1, "plateau", 0.0, 0.0)  # noqa: E731
     grid = [1e-3, 3e-3, 1e-2, 3e-2]
 
     def tried(vals: dict, lrs=grid) -> list[float]:
-        return list(toys.search(lrs, lambda lr: fit(vals.get(f"{lr:.3g}", 0.03)), 0.03))
+        return list(toys.search(lrs, lambda lr: tr(vals.get(f"{lr:.3g}", 0.03)), 0.03))
 
     assert tried({"0.003": 0.5}) == grid  # interior: nothing more
     assert tried({}) == grid + [pytest.approx(1e-3 / 3), pytest.approx(9e-2)]  # none chosen
@@ -733,7 +733,7 @@ def test_a_stopped_cell_continues_from_its_checkpoint(tmp_path, monkeypatch):
     task = toys.MQAR(s)
     mc = toys.toy_config(load_preset("tiny"), "linear", 16, task.vocab, s)
     whole = toys.train_cell(mc, task, 1e-2, s, seed=0)
-    monkeypatch.setattr(toys, "CHECKPOINT_EVERY_S", 0.0)
+    monkeypatch.setattr(toys.training, "CHECKPOINT_EVERY_S", 0.0)
     ckpt = tmp_path / "cell.pt"
     steps = []
 
@@ -831,13 +831,13 @@ def test_a_stopped_cell_keeps_the_lrs_it_finished(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(mc, task, lr, *a, **kw)
 
-    monkeypatch.setattr(toys, "train_cell", stop_second)
+    monkeypatch.setattr(toys.cell, "train_cell", stop_second)
     ctx = _ctx(tmp_path / "b", tasks=["mqar"])
     with pytest.raises(KeyboardInterrupt):
         toys.run(ctx, ["linear"], only=[part])
     assert len(list((ctx.work_dir / "cells").glob("*.done.pt"))) == 1
     calls.clear()
-    monkeypatch.setattr(toys, "train_cell", lambda *a, **kw: (calls.append(a[2]), real(*a, **kw))[1])
+    monkeypatch.setattr(toys.cell, "train_cell", lambda *a, **kw: (calls.append(a[2]), real(*a, **kw))[1])
     again = toys.run(ctx, ["linear"], only=[part])[0]["metrics"]
     assert calls and calls[0] == MICRO["lrs"][1]  # the first lr was not trained again
     keys = ("accuracy", "acc_by_kv", "val_by_lr", "lr", "steps", "stop", "history", "left_chance_at_by_lr")
@@ -908,7 +908,7 @@ def test_a_micro_run_at_several_lengths_names_its_slices_and_renders(tmp_path):
         assert m["sequences"] == sum(6 if i % 2 == 0 else 3 for i in range(m["steps"]))
         assert r["config"]["data"]["slices"] == [[16, 1], [32, 2]] and "seq_len" not in r["config"]["data"]
     df = pd.json_normalize([{k: v for k, v in r.items() if k != "config"} for r in rows])
-    pos = df["layer"] == toys.POSITIVE
+    pos = df["layer"] == POSITIVE
     df.loc[pos, "metrics.acc_by_kv.1@16"] = 1.0
     df.loc[df["layer"] == toys_report.NEGATIVE, "metrics.accuracy"] = 0.0
     df.loc[~pos & (df["layer"] != toys_report.NEGATIVE), ["metrics.acc_by_kv.1@16", "metrics.acc_by_kv.2@32"]] = 0.0
@@ -924,7 +924,7 @@ def test_a_recall_row_at_chance_or_capped_says_whether_its_long_budget_check_is_
         r["metrics"].update(stop=stop, sequences=64000)
         return {**r, "preset": preset, "suite": "toys"}
 
-    rows = [row(BASELINE, s, "chance") for s in range(3)] + [row(toys.POSITIVE, s, "solved") for s in range(3)]
+    rows = [row(BASELINE, s, "chance") for s in range(3)] + [row(POSITIVE, s, "solved") for s in range(3)]
     rows += [row(toys_report.NEGATIVE, s, "chance") for s in range(3)]  # a control: never read here
     rows += [row("kda", s, stop) for s, stop in enumerate(["solved", "capped", "solved"])]
     rows += [row("mom", s, "chance") for s in range(3)]

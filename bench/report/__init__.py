@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from memzoo.bench.common import BASELINE, CONTROLS, RESULTS, read_results
+from memzoo.bench.common import BASELINE, RESULTS, read_results
 from memzoo.bench.schema import layer_order
 from memzoo.bench.suites import NAMES, suite
 from memzoo.registry import family_of
@@ -321,7 +321,7 @@ def print_notes(rows: list[dict], published: list[dict], suites: list[str]) -> N
 # ---- helpers of the suites' tables and figures ---------------------------------------------------
 
 
-def beyond(lo: float, hi: float, ref_lo: float, ref_hi: float) -> str:
+def versus(lo: float, hi: float, ref_lo: float, ref_hi: float) -> str:
     """' ▲' / ' ▼' where the interval [lo, hi] lies wholly above / below [ref_lo, ref_hi] (the
     baseline's), else '': intervals that touch are no difference."""
     return " ▲" if lo > ref_hi else " ▼" if hi < ref_lo else ""

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci, mean_ci
 from memzoo.bench.report import (
-    beyond, fewer_seeds, layer_order, lm_lines, save_png, shared_count, with_family, with_seed, with_texts,
+    fewer_seeds, layer_order, lm_lines, save_png, shared_count, versus, with_family, with_seed, with_texts,
 )
 
 #: printed under the NIAH tables of the leaderboard
@@ -137,7 +137,7 @@ def tables(df) -> dict:
             text, lo, hi = cell(g)
             b = _against(groups, layer, col)
             if b is not None:
-                text += beyond(lo, hi, *cell(b)[1:])
+                text += versus(lo, hi, *cell(b)[1:])
             texts[(layer, col)] = text + fewer_seeds(len(g), seeds[layer])
         return pd.DataFrame({"seeds": [seeds[layer] for layer in order],
                              **{c: [texts.get((layer, c), "") for layer in order] for c in cols}}, index=index)

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, POSITIVE, mean_ci
 from memzoo.bench.report import (
-    beyond, fewer_seeds, layer_order, lm_lines, save_png, shared_count, with_family, with_seed, with_texts,
+    fewer_seeds, layer_order, lm_lines, save_png, shared_count, versus, with_family, with_seed, with_texts,
 )
 from memzoo.bench.schema import PPL_MODES as MODES
 from memzoo.bench.schema import PPL_POSITIONS as POSITIONS
@@ -65,7 +65,7 @@ def _gain(m: float, half: float, ref: tuple[float, float] = (0.0, 0.0)) -> str:
     or its interval over trainings where both it and the row have several seeds."""
     if math.isnan(m):
         return ""
-    return f"{m:+.4f} ± {half:.4f}" + beyond(m - half, m + half, *ref)
+    return f"{m:+.4f} ± {half:.4f}" + versus(m - half, m + half, *ref)
 
 
 def _gains(g, base) -> str:

@@ -251,7 +251,7 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
                     m["bits_per_byte"] = m["loss"] / math.log(2)
                 found[mode] = (m, time.time() - t0)
                 ctx.advance(1, doing)
-            (carry, wc), (reset, wr) = found["carry"], found["reset"]
+            (carry, _), (reset, _) = found["carry"], found["reset"]
             carry["gain"], carry["gain_half"] = mean_ci([r - c for r, c in zip(reset.pop("seq_loss"), carry.pop("seq_loss"))])
             for mode, (m, wall) in found.items():
                 rows.append(ctx.record(NAME, layer, {"corpus": corpus, "mode": mode}, {**m, **lm}, config, wall))

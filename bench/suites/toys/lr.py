@@ -1,0 +1,44 @@
+"""The learning rate of a toys cell, chosen on validation, never at the edge of the lrs tried (protocol step 3)."""
+
+from __future__ import annotations
+
+def lr_grid(trainings: dict) -> tuple[float, bool]:
+    """(the lr chosen on validation, whether it lies at an edge of the lrs tried): the best
+    validation score (ties: the first tried); an edge is the smallest or largest lr tried."""
+    lr = max(trainings, key=lambda k: trainings[k].val)
+    return lr, lr in (min(trainings), max(trainings))
+
+
+def past_edge(lr: float, trainings: dict) -> float:
+    """The next lr past the edge `lr` of the grid: a third of the smallest, or three times the largest."""
+    return round(lr / 3 if lr == min(trainings) else lr * 3, 12)
+
+
+def at_chance(trainings: dict, chance: float) -> bool:
+    """Whether no lr tried left chance (its best validation score within twice chance)."""
+    return all(t.val <= 2 * chance for t in trainings.values())
+
+
+#: how many lrs past an edge a cell tries before it records its choice at the edge
+MAX_BEYOND = 2
+
+
+def search(lrs: list[float], train_at, chance: float) -> dict:
+    """{lr: Training} of the lrs a cell trains, `train_at(lr)` training one: every lr of the grid; if none
+    left chance, one past each edge (the lr that trains within the budget may lie outside the
+    grid); then, while the chosen lr lies at an edge of the lrs tried and left chance, the next lr
+    past it, at most MAX_BEYOND times (a better one may lie beyond it). One lr given is a choice,
+    not a grid: it is never extended."""
+    trainings = {lr: train_at(lr) for lr in lrs}
+    if len(trainings) > 1 and at_chance(trainings, chance):
+        for nxt in [past_edge(min(trainings), trainings), past_edge(max(trainings), trainings)]:
+            trainings[nxt] = train_at(nxt)
+    lr, edge = lr_grid(trainings)
+    extra = 0
+    while edge and len(trainings) > 1 and trainings[lr].val > 2 * chance and extra < MAX_BEYOND:
+        nxt = past_edge(lr, trainings)
+        trainings[nxt] = train_at(nxt)
+        extra += 1
+        lr, edge = lr_grid(trainings)
+    return trainings
+
