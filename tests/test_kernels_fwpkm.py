@@ -19,6 +19,7 @@ import torch
 
 from memzoo.kernels import fwpkm as kernels
 from memzoo.registry import build_layer
+from memzoo.ops import fwpkm as fw
 from memzoo.ops import product_key as pk
 
 RTOL = 1e-4
@@ -132,6 +133,44 @@ def test_segment_sum_is_deterministic():
     a = kernels.segment_sum(torch.zeros(4, 9), kernels.Segments(rows), coef, x)
     b = kernels.segment_sum(torch.zeros(4, 9), kernels.Segments(rows), coef, x)
     assert torch.equal(a, b)
+
+
+# ---- FwPKM's ops (memzoo.ops.fwpkm): the kernel path of each against its torch reference ---------
+
+
+def _fw_chunk(per_seq: bool, H: int = 2, n: int = 9, d: int = 4, k: int = 3, B: int = 2, T: int = 7):
+    """A chunk's lookup on random sub-keys, with one token that counts nowhere."""
+    g = torch.Generator().manual_seed(3 + per_seq)
+    keys = torch.randn(*((B,) if per_seq else ()), H, 2, n, d, generator=g)
+    q = torch.randn(B, T, H * 2 * d, generator=g)
+    lk, w = fw.lookup(q.view(B, T, H, 2 * d), keys, k, "idw", 1e-3, triton=False)
+    ok = torch.ones(B, T, dtype=torch.bool)
+    ok[1, 2] = False
+    return q, keys, lk, w, fw.slot_rows(lk.index.flatten(-2), n * n, per_seq), ok, g
+
+
+@pytest.mark.parametrize("per_seq", [False, True])
+def test_fwpkm_value_step_on_kernels_matches_its_reference(per_seq, on_kernels):
+    q, keys, lk, w, idx, ok, g = _fw_chunk(per_seq)
+    B, T, _ = idx.shape
+    values = torch.randn((B if per_seq else 1) * 81, 5, generator=g)
+    err = torch.randn(B, T - 1, 5, generator=g)  # the last token reads but writes nothing
+    got = fw.value_step(values.clone(), idx, w, err, ok, 0.7, functional=False)
+    want = fw.value_step_reference(values.clone(), idx, w, err, ok, 0.7, functional=False)
+    assert close(got, want)
+
+
+@pytest.mark.parametrize("per_seq,pooled,score", [(False, False, "idw"), (True, True, "idw"), (True, False, "dot")])
+def test_fwpkm_addressing_key_grad_on_kernels_matches_its_reference(per_seq, pooled, score, monkeypatch):
+    q, keys, lk, w, idx, ok, g = _fw_chunk(per_seq)
+    if score == "dot":
+        B, T, _ = q.shape
+        lk, w = fw.lookup(q.view(B, T, 2, -1), keys, 3, "dot", 1e-3, triton=False)
+    kw = dict(weight=10.0, score=score, eps=1e-3, pooled_entropy=pooled)
+    want = fw.addressing_key_grad(q, ok, lk, keys, triton=False, **kw)
+    monkeypatch.setattr(pk, "kernels_for", lambda t: True)
+    got = fw.addressing_key_grad(q, ok, lk, keys, **kw)
+    assert close(got, want)
 
 
 # ---- the layers with the kernels routed in ------------------------------------------------

@@ -6,12 +6,14 @@ kernel                     what                                             torc
 :func:`lookup`             (a) sub-key scores (dot / IDW), per-half top-k,  ``memzoo.ops.product_key.lookup``
                            k × k combine, final top-k, fused
 :func:`embedding_bag`      (b) Σ_m w V[idx], backward to w and V            ``memzoo.ops.product_key.gather_values``
-:func:`segment_sum`        (c) the deterministic sorted-segment reduction   ``segment_sum_reference``; in FwPKM
-                           under FwPKM's value step (÷ N_read per row) and  ``FwPKM._update`` / ``_key_grad``
-                           the addressing-loss key gradient                 with ``triton=False``
+:func:`segment_sum`        (c) the deterministic sorted-segment reduction   ``segment_sum_reference``; in
+                           under FwPKM's value step (÷ N_read per row) and  ``memzoo.ops.fwpkm``:
+                           the addressing-loss key gradient                 ``value_step_reference``,
+                                                                            ``addressing_key_grad(triton=False)``
 =========================  ===============================================  ==================================
 
-Dispatch: FwPKM and PKM call these on CUDA tensors (``memzoo.ops.product_key.kernels_for``)
+Dispatch: FwPKM's ops (``memzoo.ops.fwpkm``) and PKM call these on CUDA tensors
+(``memzoo.ops.product_key.kernels``, ``kernels_for``)
 unless built with ``triton=False``; the CPU path never imports this package. The tests run every
 kernel on CPU under ``TRITON_INTERPRET=1`` (tests/test_kernels_fwpkm.py).
 """

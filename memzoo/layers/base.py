@@ -3,7 +3,8 @@
 Every layer in the zoo is written in one functional core plus a thin stateful shell:
 
     init_state(batch_size) -> state          the fast weights at their initial value
-    read_state(x, state)   -> y              retrieve for every position of x; pure
+    read_state(x, state)   -> y              retrieve for every position of x; the state is left as
+                                             it is (a layer may note what it read, for stats())
     write_state(x, state)  -> new state      memorize x; returns the new state (see below)
 
 The shell keeps the current state on the module and gives the user-facing verbs:

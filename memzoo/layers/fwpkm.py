@@ -49,10 +49,12 @@ App. B ablations: `lookahead`, `gating`, `gate_weighted_loss`, `value_norm`, `ad
 it: the gradient of ½·mean over the chunk's pairs and features, the same loss the value step
 sums), `score="dot"` (the paper found IDW necessary).
 
-Kernels. On CUDA tensors the lookup, the read and the write run the Triton kernels of
-:mod:`memzoo.kernels.fwpkm` (a fused lookup, an embedding bag, deterministic sorted-segment sums
-for the value step and the key gradient); ``triton=False`` keeps the torch path everywhere. The
-write keeps the torch path where outer gradients flow through it (``grad_through_update``).
+The math. Lookup, read, value step and key gradient are the pure functions of
+:mod:`memzoo.ops.fwpkm`, each a torch reference and, on CUDA tensors, the Triton kernels of
+:mod:`memzoo.kernels.fwpkm` behind one dispatch (a fused lookup, an embedding bag, deterministic
+sorted-segment sums for the value step and the key gradient); ``triton=False`` keeps the torch
+path everywhere, and a write that outer gradients flow through (``grad_through_update``) takes it
+too. This class holds the fast weights, runs the chunk loop and notes the diagnostics of stats().
 
 Non-finite input. The memory is shared by the batch and persists, so one sequence's NaN must
 not reach the others or later calls: a token whose query, value or gate is not finite is left
@@ -69,22 +71,9 @@ from torch import Tensor
 
 from memzoo.layers.base import MemoryLayer, State
 from memzoo.layers.fw_io import FastWeightIO, finite_tokens, from_variant, write_pairs
-from memzoo.ops import product_key as pk
-from memzoo.ops.product_key import (Lookup, gather_rows, gather_values, lookup, pair_scores, selected_subkey_scores,
-                                    subkey_rows)
+from memzoo.ops import fwpkm as fw
+from memzoo.ops.product_key import Lookup, gather_rows
 from memzoo.registry import register_layer
-
-
-def _fp32(x: Tensor) -> Tensor:
-    """Fast-weight math runs in at least fp32 (the release's fp32_fw)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-@torch.compiler.disable
-def _add_rows(table: Tensor, rows: Tensor, delta: Tensor) -> None:
-    """table[rows] += delta in place, outside any torch.compile graph: traced, the in-place
-    write to a large memory is functionalised into a copy of the whole table per chunk."""
-    table.index_add_(0, rows, delta)
 
 
 #: the choices where the paper's text and the authors' release differ (module docstring)
@@ -192,32 +181,12 @@ class FwPKM(MemoryLayer):
 
     # ---- retrieval (Eqs. 27-32) ------------------------------------------------------------
     def _lookup(self, q: Tensor, state: State) -> tuple[Lookup, Tensor, Tensor]:
-        """Top-k slots for queries [B, T, H*Dk]: the lookup, softmax weights [B, T, H*k] over
-        heads × top-k jointly (release), and slot ids into the flattened values [B, T, H*k].
-        Selection needs no gradient; the k selected scores are then recomputed
-        differentiably (O(k·d) per query, not O(n·d)) for the weights' gradient to q."""
+        """Top-k slots for queries [B, T, H*Dk] (`fw.lookup`): the lookup, softmax weights
+        [B, T, H*k] over heads × top-k jointly (release), and rows into the flat values [B, T, H*k]."""
         B, T, _ = q.shape
-        qh = _fp32(q).view(B, T, self.heads, self.key_dim)
-        with torch.no_grad():
-            kern = pk.kernels(q, self.triton)
-            lk = (kern.lookup if kern else lookup)(qh, state["keys"], self.topk, self.score, self.idw_eps)
-        top = selected_subkey_scores(qh, state["keys"], lk.sub_index, self.score, self.idw_eps)
-        w = torch.softmax(pair_scores(top, lk.pair).flatten(-2), dim=-1)
-        # the selected scores as recomputed (exact ||q - K||², not the lookup's expansion): the
-        # kernel path's key gradient reads them
-        return lk._replace(sub_scores=top.detach()), w, self._rows(lk.index.flatten(-2))
-
-    def _gather(self, values: Tensor, idx: Tensor, w: Tensor) -> Tensor:
-        """v̂ = Σ s'_i V_i (Eq. 32): the embedding-bag kernel on CUDA, else the torch gather."""
-        kern = pk.kernels(w, self.triton)
-        if kern is None:
-            return gather_values(values, idx, w)
-        return kern.embedding_bag(values, idx, w, snapshot=not values.requires_grad)  # written in place next
-
-    def _rows(self, idx: Tensor) -> Tensor:
-        if self.per_sequence:  # each sequence addresses its own block of rows
-            idx = idx + torch.arange(idx.shape[0], device=idx.device).view(-1, 1, 1) * self.N
-        return idx
+        qh = fw.fp32(q).view(B, T, self.heads, self.key_dim)
+        lk, w = fw.lookup(qh, state["keys"], self.topk, self.score, self.idw_eps, self.triton)
+        return lk, w, fw.slot_rows(lk.index.flatten(-2), self.N, self.per_sequence)
 
     def _values(self, state: State) -> Tensor:
         return state["values"].reshape(-1, self.value_dim)
@@ -225,7 +194,7 @@ class FwPKM(MemoryLayer):
     def read_state(self, x: Tensor, state: State) -> Tensor:
         q, v, g = self.io.project(x)
         lk, w, idx = self._lookup(q, state)
-        v_hat = self._gather(self._values(state), idx, w)
+        v_hat = fw.read(self._values(state), idx, w, self.triton)
         self._note_read(idx, w, g)
         return self.io.output(v_hat.to(v.dtype), v, g)
 
@@ -236,6 +205,8 @@ class FwPKM(MemoryLayer):
         return self._update(q, v, g, lk, w, idx, state)
 
     def _update(self, q, v, g, lk: Lookup, w, idx, state: State) -> State:
+        """One chunk's write from the pre-update fast weights: the keys step on the addressing
+        loss (Eqs. 37-39), the values on the memorisation loss (Eqs. 35-36)."""
         B, T, _ = q.shape
         if T == 0:
             return dict(state)
@@ -251,131 +222,29 @@ class FwPKM(MemoryLayer):
         qw, tgt, lw = write_pairs(q, v, g, self.lookahead, self.gate_weighted_loss)
         Tw = qw.shape[1]
         lw = lw * (ok[:, :Tw] & ok[:, T - Tw :])  # a pair needs its query's and its target's token
-        new = dict(state)
-        new["keys"] = state["keys"] - self.lr * self._key_grad(q, ok, lk, tgt, lw, state)
+        outer = self.grad_through_update and torch.is_grad_enabled()  # outer gradients through the write
+        if self.addr_loss:
+            key_grad = fw.addressing_key_grad(q, ok, lk, state["keys"], weight=self.addr_loss_weight, score=self.score,
+                                              eps=self.idw_eps, pooled_entropy=self.pooled_entropy, outer=outer,
+                                              triton=self.triton)
+        else:  # App. B: the keys follow the memorisation loss
+            key_grad = fw.memorisation_key_grad(q, lk, state["keys"], self._values(state), tgt, lw, score=self.score,
+                                                eps=self.idw_eps, outer=outer)
+        new = {**state, "keys": state["keys"] - self.lr * key_grad}
         if Tw > 0:
             values = state["values"]
             flat = values.view(-1, self.value_dim)
-            w_w, idx_w = w[:, :Tw], idx[:, :Tw]  # the writing tokens' own retrieval
-            v_hat = self._gather(flat, idx_w, w_w)
+            v_hat = fw.read(flat, idx[:, :Tw], w[:, :Tw], self.triton)  # the writing tokens' own retrieval
             # ∇_{v̂_t} of the gate-weighted ½||v_{t+1} - v̂_t||², summed over tokens and features (Sec. 3.2.2)
-            err = _fp32(lw).unsqueeze(-1) * (v_hat - _fp32(tgt))  # [B, Tw, Dv]
+            err = fw.fp32(lw).unsqueeze(-1) * (v_hat - fw.fp32(tgt))  # [B, Tw, Dv]
             scale = self.lr * (self.topk * self.heads if self.release_value_scale else 1.0)
-            functional = values.requires_grad or (self.grad_through_update and torch.is_grad_enabled())
-            kern = None if functional else pk.kernels(q, self.triton)
-            if kern:  # Eqs. 35-36 in one deterministic segment sum per touched row, in place
-                err_all = err.new_zeros(B, T, self.value_dim)
-                err_all[:, :Tw] = err  # the chunk's last token reads (N_i^read) but writes nothing
-                kern.segment_sum(flat, kern.Segments(idx), w.reshape(-1), err_all.view(-1, self.value_dim),
-                                 per_token=idx.shape[-1], alpha=-scale, count=ok.to(flat.dtype).reshape(-1),
-                                 accumulate=True)
-                new["values"] = values
-                self._note_write(idx_w, B, Tw)
-                return self._advance(new, T)
-            # N_i^read (Eq. 36): every read of row i in the chunk, the last token's included
-            # (a non-finite token's reads count 0)
-            n_read = flat.new_zeros(flat.shape[0]).index_add_(
-                0, idx.reshape(-1), ok[..., None].expand_as(idx).reshape(-1).to(flat.dtype))
-            rows = idx_w.reshape(-1)
-            n_w = n_read[rows].clamp(min=1)  # (a row only a non-finite token read gets a zero step)
-            # Eqs. 35-36: each entry's share of its row's gradient, divided by the row's N_i^read
-            delta = (w_w.unsqueeze(-1) * err.unsqueeze(-2)).reshape(-1, self.value_dim)
-            delta = delta * (-scale / n_w).unsqueeze(-1)
-            if functional:
-                flat = flat.index_add(0, rows, delta)  # outer gradients flow through it
-            else:
-                _add_rows(flat, rows, delta)  # in place: O(rows touched), not O(N)
-            new["values"] = flat.view_as(values)
-            self._note_write(idx_w, B, Tw)
-        return self._advance(new, T)
-
-    def _advance(self, state: State, T: int) -> State:
+            functional = values.requires_grad or outer
+            new["values"] = fw.value_step(flat, idx, w, err, ok, scale, functional=functional,
+                                          triton=self.triton).view_as(values)
+            self._note_write(idx[:, :Tw], B, Tw)
         if not torch.compiler.is_compiling():  # diagnostics stay out of compiled graphs
             self._pos += T
-        return state
-
-    def _key_grad(self, q, ok, lk: Lookup, tgt, lw, state: State) -> Tensor:
-        """∇_K of the addressing loss (Eqs. 37-39), or of the memorisation loss when that is
-        switched off (App. B). Only the selected sub-keys get gradient: O(k·d) per token.
-        `ok` [B, T] marks the tokens that count.
-
-        The addressing loss's gradient is written out (no autograd call: cheaper, and the
-        same expression keeps its graph when `grad_through_update` asks for outer gradients).
-        For each counted token and sub-key set, with s_j its k selected scores (IDW, Eq. 28),
-        p = softmax(s) (Eq. 30) and p̄ the set's mean of the scattered p (Eq. 37):
-            L = -λ Σ_sets H(p̄),  H(p̄) = -Σ_i p̄_i log(p̄_i + 1e-8)              (Eq. 38)
-            ∂L/∂p̄_i = λ (log(p̄_i + 1e-8) + p̄_i / (p̄_i + 1e-8))
-            ∂L/∂p_j = ∂L/∂p̄_{i_j} / n_set,  ∂L/∂s_j = p_j (∂L/∂p_j - Σ_l p_l ∂L/∂p_l)
-            ∂s_j/∂K_{i_j} = 2 (q - K_{i_j}) / (ε + ||q - K_{i_j}||²)   (IDW; dot: q)
-        and each ∂L/∂K_i sums the tokens that selected sub-key i."""
-        if not self.addr_loss:
-            return self._memorisation_key_grad(q, lk, tgt, lw, state)
-        keys = state["keys"]
-        B, T, _ = q.shape
-        H, n, d = self.heads, self.n, self.key_dim // 2
-        outer = self.grad_through_update and torch.is_grad_enabled()
-        kern = None if outer else pk.kernels(q, self.triton)
-        with torch.set_grad_enabled(outer):
-            qh = _fp32(q).view(B, T, H, 2, 1, d)
-            rows = subkey_rows(keys, lk.sub_index)  # [B, T, H, 2, k] into keys.reshape(-1, d)
-            if kern:  # the selected scores as _lookup recomputed them (0 for a token that counts nowhere)
-                s = lk.sub_scores.where(ok[:, :, None, None, None], 0)
-            else:
-                K = gather_rows(keys, rows)  # [B, T, H, 2, k, d]
-                if self.score == "idw":
-                    diff = qh - K
-                    dist = self.idw_eps + diff.pow(2).sum(-1)
-                    s, ds_dK = -torch.log(dist), 2 * diff / dist[..., None]
-                else:
-                    s, ds_dK = (qh * K).sum(-1), qh.expand_as(K)
-            okf = ok[:, :, None, None, None].to(s.dtype)
-            p = torch.softmax(s, -1) * okf  # s' over each half's top-k (Eq. 30), counted tokens only
-            # p̄ (Eq. 37) per sub-key set: one per sequence (a memory per sequence), head (unless
-            # pooled) and half; the mean over the set's counted tokens (and heads, if pooled)
-            dev, n_h = q.device, 1 if self.pooled_entropy else H
-            b_set = torch.arange(B, device=dev).view(B, 1, 1, 1) if self.per_sequence else torch.zeros((), dtype=torch.long)
-            h_set = torch.zeros((), dtype=torch.long) if self.pooled_entropy else torch.arange(H, device=dev).view(H, 1)
-            set_id = ((b_set * n_h + h_set) * 2 + torch.arange(2, device=dev)).expand(B, T, H, 2)
-            n_sets = (B if self.per_sequence else 1) * n_h * 2
-            n_tok = okf.new_zeros(n_sets).index_add_(0, set_id.reshape(-1), okf.expand(B, T, H, 2, 1).reshape(-1))
-            n_tok = n_tok.clamp(min=1).take(set_id)[..., None]  # [B, T, H, 2, 1]
-            bucket = set_id[..., None] * n + lk.sub_index  # [B, T, H, 2, k]: sub-key i of its set
-            if kern:
-                p_bar = kern.segment_sum(p.new_zeros(n_sets * n, 1), kern.Segments(bucket), (p / n_tok).reshape(-1))[:, 0]
-            else:
-                p_bar = p.new_zeros(n_sets * n).index_add(0, bucket.reshape(-1), (p / n_tok).reshape(-1))
-            dp_bar = self.addr_loss_weight * (torch.log(p_bar + 1e-8) + p_bar / (p_bar + 1e-8))
-            dp = dp_bar.take(bucket) / n_tok * okf
-            ds = p * (dp - (p * dp).sum(-1, keepdim=True))  # softmax backward
-            grad = keys.new_zeros(keys.numel() // d, d)
-            if kern:  # IDW: Σ_j 2 ds_j (q - K_i) / dist_j, dist = exp(-s), as Σ c_j q - (Σ c_j) K_i
-                c = 2 * ds * torch.exp(s) if self.score == "idw" else ds
-                kern.segment_sum(grad, kern.Segments(rows), c.reshape(-1), qh.reshape(-1, d), per_token=self.topk,
-                                 table=keys.reshape(-1, d) if self.score == "idw" else None)
-                return grad.view_as(keys)
-            grad = grad.index_add(0, rows.reshape(-1), (ds[..., None] * ds_dK).reshape(-1, d))
-            return grad.view_as(keys)
-
-    def _memorisation_key_grad(self, q, lk: Lookup, tgt, lw, state: State) -> Tensor:
-        """App. B "w/o addr loss": the keys follow ½·mean over pairs and features of the MSE
-        (the release's `no_addr_loss`), by autograd."""
-        keys = state["keys"]
-        Tw = tgt.shape[1]
-        if Tw == 0:
-            return torch.zeros_like(keys)
-        outer = self.grad_through_update and torch.is_grad_enabled()  # keep the graph (release)
-        B, T, _ = q.shape
-        with torch.enable_grad():
-            K = keys if keys.requires_grad else keys.detach().requires_grad_()
-            qh = _fp32(q).view(B, T, self.heads, self.key_dim)
-            top = selected_subkey_scores(qh[:, :Tw], K, lk.sub_index[:, :Tw], self.score, self.idw_eps)
-            w = torch.softmax(pair_scores(top, lk.pair[:, :Tw]).flatten(-2), -1)
-            idx = self._rows(lk.index[:, :Tw].flatten(-2))
-            v_hat = gather_values(self._values(state).detach(), idx, w)
-            n = Tw if self.per_sequence else B * Tw  # pairs behind each memory
-            loss = 0.5 * (_fp32(lw).unsqueeze(-1) * (_fp32(tgt) - v_hat).pow(2)).sum() / (n * self.value_dim)
-            (grad,) = torch.autograd.grad(loss, K, create_graph=outer)
-        return grad
+        return new
 
     # ---- causal mixing: one lookup per chunk shared by read and write ---------------------
     def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
@@ -388,7 +257,7 @@ class FwPKM(MemoryLayer):
             c = slice(s, s + self.chunk_size)
             qc, vc, gc = q[:, c], v[:, c], None if g is None else g[:, c]
             lk, w, idx = self._lookup(qc, state)
-            v_hats.append(self._gather(self._values(state), idx, w))
+            v_hats.append(fw.read(self._values(state), idx, w, self.triton))
             self._note_read(idx, w, gc, append=s > 0)
             state = self._update(qc, vc, gc, lk, w, idx, state)
         if not v_hats:  # T = 0
