@@ -52,17 +52,13 @@ def _toys(row: dict, rows: list[dict]) -> list[tuple[str, float, float, float]]:
     from memzoo.bench.suites import toys
     from memzoo.config import ModelConfig
 
-    cfg, data = row["config"], row["config"]["data"]
+    cfg = row["config"]
     keep = {k: v for k, v in cfg["train"].items() if k in toys.Settings.__dataclass_fields__}
-    slices = {"mqar_slices": [list(sl) for sl in data["slices"]],
-              "batch_by_length": {int(k): v for k, v in data.get("batch_by_length", {}).items()}} if "slices" in data \
-        else {"mqar_seq_len": data["seq_len"], "mqar_kv": list(data["kv"])}
-    s = toys.Settings(tasks=["mqar"], mqar_vocab=data["vocab"], power_a=data["power_a"], mqar_gap=data.get("gap", 0),
-                      **slices, **keep)
+    s = toys.Settings(**toys.MQAR.settings_of(cfg["data"]), **keep)
     task = toys.MQAR(s)
     torch.set_num_threads(max(1, row["hardware"].get("threads") or 1))
-    fit = toys.train_cell(ModelConfig.from_dict(cfg["model"]), task, row["metrics"]["lr"], s, row["seed"], "cpu")
-    acc = toys.evaluate(fit.model, task.test, task.eval_batch)
+    trained = toys.train_cell(ModelConfig.from_dict(cfg["model"]), task, row["metrics"]["lr"], s, row["seed"], "cpu")
+    acc = toys.evaluate(trained.model, task.test, task.eval_batch)
     got = sum(acc.values()) / len(acc)
     seeds = [r["metrics"]["accuracy"] for r in rows if r["suite"] == "toys" and r["preset"] == row["preset"]
              and r["layer"] == row["layer"] and r["setting"] == row["setting"]

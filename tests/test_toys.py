@@ -964,3 +964,12 @@ def test_a_runs_closing_lines_say_what_it_showed_where_the_tables_are_and_the_pu
     assert out[2].endswith("memzoo bench --preset recall --layers fwpkm,mom,lact --suite toys --resume")
     bad = [row(POSITIVE, 0.5, 0), *rows[1:]]
     assert "the harness is INVALID (the positive control reaches only 0.500" in toys_report.summary(frame(bad))
+
+
+@pytest.mark.parametrize("over", [{}, {"mqar_slices": [[32, 2], [64, 4]], "batch_by_length": {64: 8}}])
+def test_a_rows_data_gives_back_the_settings_it_was_measured_with(over):
+    """`MQAR.settings_of` inverts `MQAR.data` (what `memzoo verify --rerun` rebuilds a cell from)."""
+    s = toys.Settings(**{**MICRO, "tasks": ["mqar"], "mqar_gap": 3, "power_a": 0.02, **over})
+    data = toys.MQAR.data(s)
+    back = toys.Settings(**toys.MQAR.settings_of(json.loads(json.dumps(data))))  # through a row's JSON
+    assert toys.MQAR.data(back) == data

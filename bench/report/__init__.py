@@ -158,7 +158,7 @@ class Section:
     problems: list | None  # what makes the harness invalid here (empty: valid; None: no harness check)
     rows: list  # the rows shown
     anchor: str = ""  # its id in both renderings (README.md's `<a id>`, the page's section), from the heading
-    headline: dict = None  # its cells of the overview: the suite's `headline(section)` ({} without one)
+    headline: dict | None = None  # its cells of the overview: the suite's `headline(section)` ({} without one)
 
 
 def sections(rows: list[dict], out: Path) -> list[Section]:

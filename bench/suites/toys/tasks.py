@@ -75,6 +75,16 @@ class MQAR(Task):
                     "gap": s.mqar_gap, "batch_by_length": {str(k): v for k, v in sorted(s.batch_by_length.items())}}
         return {"vocab": s.mqar_vocab, "seq_len": s.mqar_seq_len, "kv": s.mqar_kv, "power_a": s.power_a, "gap": s.mqar_gap}
 
+    @staticmethod
+    def settings_of(data: dict) -> dict:
+        """The `Settings` fields a row's ``config.data`` records (the inverse of `data`; a row
+        measured again from its config, `memzoo verify --rerun`). Rows before the gap record none: 0."""
+        common = {"tasks": ["mqar"], "mqar_vocab": data["vocab"], "power_a": data["power_a"], "mqar_gap": data.get("gap", 0)}
+        if "slices" in data:
+            return {**common, "mqar_slices": [list(sl) for sl in data["slices"]],
+                    "batch_by_length": {int(k): v for k, v in data.get("batch_by_length", {}).items()}}
+        return {**common, "mqar_seq_len": data["seq_len"], "mqar_kv": list(data["kv"])}
+
     def __init__(self, s: Settings):
         several = bool(s.mqar_slices)
         self.slices = [tuple(sl) for sl in s.mqar_slices] if several else list(s.mqar_kv)
