@@ -164,3 +164,37 @@ def tiny_layer(name: str, *, seed: int = 0, dtype=torch.float64, noise: float = 
 def rand_x(b: int, t: int, seed: int = 1, dtype=torch.float64) -> torch.Tensor:
     """A seeded random input [b, t, 32]."""
     return torch.randn(b, t, D, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def device_paths_differ(name: str, device: str, seed: int = 0) -> dict:
+    """A registered layer at its test options in fp32, once on the CPU (the torch path, the
+    reference) and once on `device` (on CUDA: fla's kernel where it runs, the Triton kernels of
+    FwPKM and PKM, else the torch ops on the GPU), from the same weights and input: the largest
+    difference of the outputs, of the state after the call and of the gradients (input and slow
+    weights), each relative to the reference's largest entry."""
+    import copy
+
+    ref = tiny_layer(name, seed=seed, dtype=torch.float32)
+    other = copy.deepcopy(ref).to(device)
+    T = 4 * ref.chunk_size if ref.chunk_size else 24
+    x = rand_x(2, T, seed=seed + 1, dtype=torch.float32)
+    targets = layer_test(name)["targets"](x) if ref.needs_targets else None
+    weight = torch.linspace(-1, 1, x.numel()).view_as(x)  # an outer loss that reads every output
+    runs = []
+    for layer, dev in ((ref, "cpu"), (other, device)):
+        layer.reset(batch_size=2)
+        xd = x.to(dev).requires_grad_()
+        y = layer(xd) if targets is None else layer(xd, targets=targets.to(dev))
+        params = [p for p in layer.parameters() if p.requires_grad]
+        grads = torch.autograd.grad((y * weight.to(dev)).sum(), [xd, *params], allow_unused=True)
+        runs.append((y, {k: v.detach() for k, v in layer.state.items()}, grads))
+
+    def rel(a, b) -> float:
+        if a is None or b is None:
+            return 0.0 if a is None and b is None else float("inf")
+        a, b = a.detach().double().cpu(), b.detach().double().cpu()
+        return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() if b.numel() else 0.0
+
+    (y0, s0, g0), (y1, s1, g1) = runs
+    return {"output": rel(y1, y0), "state": max((rel(s1[k], s0[k]) for k in s0), default=0.0),
+            "grads": max((rel(a, b) for a, b in zip(g1, g0)), default=0.0)}

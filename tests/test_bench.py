@@ -839,6 +839,15 @@ def test_gpu_check_runs_every_step_through_its_loop_on_a_stand_in_device(tmp_pat
     assert "Stand-in GPU" in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.parametrize("name", ["gated_deltanet", "fwl", "fwpkm"])
+def test_the_cuda_layer_comparison_runs_on_the_cpu(name):
+    """The mechanics of test_cuda.py's per-layer comparison (gpu_check's tests step), with the CPU
+    standing in for the GPU: the same path twice differs by nothing."""
+    from conftest import device_paths_differ
+
+    assert device_paths_differ(name, "cpu") == {"output": 0.0, "state": 0.0, "grads": 0.0}
+
+
 def test_gpu_check_pack_counts_cells_an_hour_at_each_jobs(tmp_path):
     """The pack step's mechanics on the CPU: one run per --jobs, each cold, its cells an hour."""
     from memzoo.bench import gpu_check

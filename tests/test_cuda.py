@@ -129,6 +129,31 @@ def test_generate_on_cuda_matches_one_forward(layout, triton):
     torch.testing.assert_close(torch.stack(out.logits, 1), full[:, 6:-1].float(), rtol=1e-3, atol=1e-3)
 
 
+def _registered_layers() -> list[str]:
+    import memzoo.layers  # noqa: F401  (registers the layers)
+    from memzoo.registry import layer_names
+
+    return sorted(layer_names())
+
+
+#: the largest relative difference a layer's CUDA path may show against its torch path on the CPU
+#: (fp32, TF32 off: sums in another order, fla's chunked kernel against the chunked torch ops)
+DEVICE_RTOL = 2e-3
+
+
+@pytest.mark.parametrize("name", _registered_layers())
+def test_each_layer_on_cuda_matches_its_torch_path_on_the_cpu(name, capsys):
+    """Every registered layer (the delta-rule and gradient-descent memories of issues 66-67 with the
+    rest): outputs, state and gradients on CUDA against the CPU's torch path; the largest relative
+    difference of each is printed (gpu_check's log keeps it)."""
+    from tests.conftest import device_paths_differ
+
+    err = device_paths_differ(name, DEV)
+    with capsys.disabled():
+        print(f"\ncuda vs cpu: {name}: " + ", ".join(f"{k} {v:.2e}" for k, v in err.items()), flush=True)
+    assert max(err.values()) < DEVICE_RTOL, err
+
+
 def test_gdn_auto_without_fla_runs_compiled_and_agrees_with_the_torch_path(monkeypatch):
     """Where fla cannot run (not installed, or refused on Hopper with Triton < 3.7.1), the GDN
     mixer's "auto-compiled" runs the chunked torch path under torch.compile: outputs and
