@@ -97,8 +97,15 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from memzoo.train import cmd_train as train  # torch: only when it trains
+
+    return train(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from memzoo.bench.suites import NAMES as SUITE_NAMES
+    from memzoo.config import add_train_arguments
 
     p = argparse.ArgumentParser(prog="memzoo", description="A zoo of fast-weight memory layers: train, count, bench.")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
@@ -106,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                         "repeatable; added to $MEMZOO_PLUGINS (comma-separated), which bench workers inherit")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    from memzoo.train import add_train_command
-
-    add_train_command(sub)
+    t = sub.add_parser("train", help="train a model from a config (YAML path or shipped name, e.g. tiny/gdn)")
+    add_train_arguments(t)
+    t.set_defaults(fn=cmd_train)
 
     q = sub.add_parser("params", help="count parameters on the meta device, beside the paper's figure")
     q.add_argument("configs", nargs="+", help="config files, shipped names (paper/gdn) or directories (paper)")

@@ -383,3 +383,22 @@ def load_config(name: str | Path) -> RunConfig:
     except ConfigError as e:  # a key may come from a base: name them
         on = f" (with base {', '.join(map(str, bases))})" if bases else ""
         raise ConfigError(f"{path}{on}: {e}") from None
+
+
+def add_train_arguments(p) -> None:
+    """The options of `memzoo train` and of ``torchrun ... -m memzoo.train`` on an argparse parser:
+    the config and what overrides it (here, beside the config, so that neither command line imports
+    torch to build its help)."""
+    p.add_argument("config")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue exactly from the last checkpoint in the out dir")
+    again.add_argument("--overwrite", action="store_true", help="delete the run already in the out dir, then train")
+    p.add_argument("--steps", type=int, help="override train.steps")
+    p.add_argument("--out", help="override train.out_dir")
+    p.add_argument("--seed", type=int, help="override train.seed")
+    p.add_argument("--device", help="override train.device: cpu, cuda, cuda:N, or auto (cuda if available)")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"),
+                   help="override train.precision (auto: bf16 autocast on CUDA, fp32 on CPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model's forward (train.compile)")
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                   help="under torchrun: DDP (a model per process) or FSDP2 (parameters sharded); see memzoo.distributed")

@@ -21,8 +21,11 @@ MEMZOO_PLUGINS) runs the shared property suite on its layers (see tests/conftest
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import os
+from pathlib import Path
 
 PLUGINS_ENV = "MEMZOO_PLUGINS"
 
@@ -112,14 +115,49 @@ def family_of(name: str) -> str:
     """The label (memzoo.families.FAMILIES) of the write-rule family of layer `name`, or of a
     variant ``layer/variant`` (named after its layer); "" for a name no layer is registered under (the
     bench's baseline and controls, a layer since removed) and for a layer that names none (a plugin may
-    leave it); a plugin's own key outside FAMILIES shows as itself."""
+    leave it); a plugin's own key outside FAMILIES shows as itself. A built-in layer's family is read
+    from its source (`builtin_families`) unless its class is loaded already, so the report needs no torch."""
     from memzoo.families import FAMILIES
 
-    try:
-        key = get_layer(name.split("/")[0]).family
-    except ValueError:
+    key = name.split("/")[0].lower()
+    if key in _LAYERS:
+        fam = _LAYERS[key].family
+    elif key in builtin_families():
+        fam = builtin_families()[key]
+    elif plugin_modules():  # a plugin's layer: import it
+        try:
+            fam = get_layer(key).family
+        except ValueError:
+            return ""
+    else:
         return ""
-    return FAMILIES.get(key, key)
+    return FAMILIES.get(fam, fam)
+
+
+@functools.cache
+def builtin_families() -> dict[str, str]:
+    """{name: family key} of the layers in memzoo/layers/, read from their source with `ast`, not
+    imported (the layers import torch; the leaderboard does not): the class @register_layer(NAME)
+    decorates, its ``family = "..."`` or that of the nearest base class of the folder that sets one
+    (DeltaNet's from DeltaRuleMemory). tests/test_imports.py checks it against the imported classes."""
+    classes = {}  # class name -> (registered name or None, family or None, base class names)
+    for f in sorted((Path(__file__).parent / "layers").glob("*.py")):
+        for node in ast.parse(f.read_text()).body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            reg = next((d.args[0].value for d in node.decorator_list if isinstance(d, ast.Call)
+                        and getattr(d.func, "id", "") == "register_layer" and d.args
+                        and isinstance(d.args[0], ast.Constant)), None)
+            fam = next((st.value.value for st in node.body if isinstance(st, ast.Assign)
+                        and any(getattr(t, "id", "") == "family" for t in st.targets)
+                        and isinstance(st.value, ast.Constant)), None)
+            classes[node.name] = (reg, fam, [b.id for b in node.bases if isinstance(b, ast.Name)])
+
+    def family(cls: str) -> str | None:
+        _, fam, bases = classes.get(cls, (None, None, []))
+        return fam if fam is not None else next((f for b in bases if (f := family(b)) is not None), None)
+
+    return {reg.lower(): family(c) or "" for c, (reg, _, _) in classes.items() if reg}
 
 
 def build_layer(name: str, d_model: int, **kwargs) -> "MemoryLayer":

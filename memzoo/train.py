@@ -452,25 +452,6 @@ def train(
 # ---- the command line: `memzoo train` (memzoo.cli) and `torchrun ... -m memzoo.train` -------------
 
 
-def add_train_command(sub) -> None:
-    """The ``train`` command on an argparse subparsers object (memzoo's command line and this module's)."""
-    t = sub.add_parser("train", help="train a model from a config (YAML path or shipped name, e.g. tiny/gdn)")
-    t.add_argument("config")
-    again = t.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true", help="continue exactly from the last checkpoint in the out dir")
-    again.add_argument("--overwrite", action="store_true", help="delete the run already in the out dir, then train")
-    t.add_argument("--steps", type=int, help="override train.steps")
-    t.add_argument("--out", help="override train.out_dir")
-    t.add_argument("--seed", type=int, help="override train.seed")
-    t.add_argument("--device", help="override train.device: cpu, cuda, cuda:N, or auto (cuda if available)")
-    t.add_argument("--precision", choices=("auto", "fp32", "bf16"),
-                   help="override train.precision (auto: bf16 autocast on CUDA, fp32 on CPU)")
-    t.add_argument("--compile", action="store_true", help="torch.compile the model's forward (train.compile)")
-    t.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
-                   help="under torchrun: DDP (a model per process) or FSDP2 (parameters sharded); see memzoo.distributed")
-    t.set_defaults(fn=cmd_train)
-
-
 def cmd_train(args) -> int:
     import os
 
@@ -496,7 +477,8 @@ if __name__ == "__main__":  # torchrun --nproc_per_node N -m memzoo.train CONFIG
     import argparse
     import sys
 
+    from memzoo.config import add_train_arguments
+
     ap = argparse.ArgumentParser(prog="python -m memzoo.train")
-    add_train_command(ap.add_subparsers(dest="cmd", required=True))
-    args = ap.parse_args(["train", *sys.argv[1:]])
-    sys.exit(args.fn(args))
+    add_train_arguments(ap)
+    sys.exit(cmd_train(ap.parse_args()))

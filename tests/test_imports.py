@@ -91,3 +91,30 @@ def test_the_report_imports_no_torch():
             "from memzoo.bench import verify\nassert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_command_line_renders_and_helps_without_torch(tmp_path):
+    """`memzoo --help` and `memzoo leaderboard` import no torch (nor the trainer): rows to Markdown
+    is a torch-free path (a few published rows, rendered in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    rows = (ROOT / "leaderboards" / "results.jsonl").read_text().splitlines()[:3]
+    (tmp_path / "results.jsonl").write_text("\n".join(rows) + "\n")
+    code = ("import sys\nfrom memzoo.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            f"assert main(['leaderboard', '--out', {str(tmp_path)!r}]) == 0\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "README.md").is_file()
+
+
+def test_the_families_read_from_source_are_the_classes_families():
+    """`builtin_families` (the leaderboard's family column, read without importing the layers) says
+    what every built-in layer's class says, and names every built-in layer."""
+    import memzoo.layers  # noqa: F401  (registers the built-in layers)
+    from memzoo.registry import _LAYERS, builtin_families
+
+    builtin = {n: c for n, c in _LAYERS.items() if c.__module__.startswith("memzoo.layers.")}
+    assert builtin_families() == {n: c.family for n, c in builtin.items()}

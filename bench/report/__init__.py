@@ -27,7 +27,7 @@ from types import ModuleType
 
 from memzoo.bench.common import BASELINE, RESULTS, read_results
 from memzoo.bench.schema import layer_order
-from memzoo.bench.suites import NAMES, suite
+from memzoo.bench.suites import NAMES, lead
 from memzoo.registry import family_of
 from memzoo.storage import write_text
 
@@ -179,7 +179,7 @@ def sections(rows: list[dict], out: Path) -> list[Section]:
         anchors.add(anchor)
         out_sections.append(Section(
             suite=name, preset=preset, heading=heading,
-            lead=(suite(name).__doc__ or "").strip().split("\n\n")[0],
+            lead=lead(name),
             provenance=provenance(shown), tables=mod.tables(df), note=getattr(mod, "NOTE", "").strip(),
             reading=list(_reading(mod, df, rows)),
             figures=list(mod.figures(df, out / "figures" / _folder(heading, preset))),

@@ -18,7 +18,10 @@ Nothing here formats a table.
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+from pathlib import Path
 from types import ModuleType
 
 # run order, cheapest first; ppl and niah share the trained LMs. The leaderboard's order too.
@@ -30,3 +33,12 @@ def suite(name: str) -> ModuleType:
     if name not in NAMES:
         raise ValueError(f"unknown suite {name!r}; valid suites: {', '.join(NAMES)}")
     return importlib.import_module(f"{__name__}.{name}")
+
+
+def lead(name: str) -> str:
+    """The first paragraph of suite `name`'s docstring (what it measures), read from its source
+    without importing it: the report renders rows without torch, which the suites import."""
+    if name not in NAMES:
+        raise ValueError(f"unknown suite {name!r}; valid suites: {', '.join(NAMES)}")
+    origin = importlib.util.find_spec(f"{__name__}.{name}").origin
+    return (ast.get_docstring(ast.parse(Path(origin).read_text())) or "").strip().split("\n\n")[0]
