@@ -1,6 +1,8 @@
-"""The learning rate of a toys cell, chosen on validation, never at the edge of the lrs tried (protocol step 3)."""
+"""The learning rate of a toys cell, chosen on validation; one chosen at an edge of the lrs tried tries the
+next beyond it (protocol step 3)."""
 
 from __future__ import annotations
+
 
 def lr_grid(trainings: dict) -> tuple[float, bool]:
     """(the lr chosen on validation, whether it lies at an edge of the lrs tried): the best

@@ -9,6 +9,7 @@ from memzoo.config import ConfigError, ModelConfig
 
 from .settings import Settings
 
+
 def toy_config(preset, layer: str, width: int, vocab_size: int, s: Settings) -> ModelConfig:
     """The preset's backbone (with `s.model` over it) scaled to `width` and `s.n_layers` blocks,
     with `layer` at `s.at` and the preset's options for it, `s.layer_options[layer]` merged over

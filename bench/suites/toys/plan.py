@@ -13,6 +13,7 @@ from .models import check_route, toy_config
 from .settings import NAME, Settings
 from .tasks import TASK_TYPES, Task
 
+
 def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
     """Everything one cell's numbers depend on (its hash decides whether a resumed run skips it)."""
     data = TASK_TYPES[task].data(s)

@@ -15,7 +15,7 @@ NAME = "toys"
 TASKS = TOYS_TASKS
 
 #: layers whose `chunk_size` is not a read-then-write chunk: FWL reads the earlier positions of its
-#: own chunk (Eq. 2); its chunk is the segment after which its update decays (module docstring)
+#: own chunk (Eq. 2); its chunk is the segment after which its update decays (the suite's docstring)
 SEGMENTED = ("fwl",)
 
 

@@ -9,6 +9,7 @@ from memzoo.data import mqar
 
 from .settings import TASKS, Settings
 
+
 def slice_name(key) -> str:
     """A slice's name in a row: its kv count or pairs ("8"), or kv count and length ("32@256")."""
     return f"{key[1]}@{key[0]}" if isinstance(key, tuple) else str(key)

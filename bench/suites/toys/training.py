@@ -19,6 +19,7 @@ from memzoo.train import fit, lr_at, make_step, param_groups
 from .settings import Settings
 from .tasks import Task, slice_name
 
+
 @torch.no_grad()
 def evaluate(model: HybridLM, sets: dict, batch_size) -> dict:
     """Accuracy on the labelled positions of each set, in batches of the training batch size
@@ -79,7 +80,7 @@ def falling(losses: list[float], s: Settings) -> bool:
 def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, device: str = "cpu",
                on_step=None, checkpoint: Path | None = None) -> Training:
     """Train one model from seed `seed` (the same initialisation and batches for every layer and
-    lr) until it converges or hits the cap (module docstring); `on_step()` after each step.
+    lr) until it converges or hits the cap (the suite's docstring, step 2); `on_step()` after each step.
     The model returned holds the weights of its best validation score. With `checkpoint`, the
     training state (weights, optimizer, data generator, history) is saved there at evaluations,
     at most once a minute, and a training that finds it continues from it: a stopped cell
@@ -161,6 +162,7 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
     tail = losses[-s.eval_every:]
     return Training(model, max(best, 0.0), steps, stop or "capped", sum(tail) / len(tail), tokens / max(busy, 1e-9), first,
                evals, history)
+
 
 def left_chance_at(history: list[dict], chance: float) -> int | None:
     """Sequences trained before the first evaluation whose validation accuracy (the slices' mean)
