@@ -160,8 +160,8 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
     if best_state is not None:
         model.load_state_dict(best_state)
     tail = losses[-s.eval_every:]
-    return Training(model, max(best, 0.0), steps, stop or "capped", sum(tail) / len(tail), tokens / max(busy, 1e-9), first,
-               evals, history)
+    return Training(model, max(best, 0.0), steps, stop or "capped", sum(tail) / len(tail), tokens / max(busy, 1e-9),
+                    first, evals, history)
 
 
 def left_chance_at(history: list[dict], chance: float) -> int | None:
