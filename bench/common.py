@@ -331,14 +331,15 @@ class Recorder:
     def _key(suite, preset, layer, setting, seed, config_hash) -> str:
         return json.dumps([suite, preset, layer, setting, seed, config_hash], sort_keys=True)
 
-    def find(self, suite: str, layer: str, setting: dict, config: dict, seed: int | None = None) -> dict | None:
-        """The row already recorded in the file for this suite, preset, layer, setting, seed and
-        config (its hash), if any: what a resumed run skips."""
+    def find(self, suite: str, layer: str, setting: dict, config: dict, seed: int | None = None,
+             preset: str | None = None) -> dict | None:
+        """The row already recorded in the file for this suite, preset (this run's, or `preset`), layer,
+        setting, seed and config (its hash), if any: what a resumed run skips."""
         if self._done is None:
             self._done = {self._key(r["suite"], r["preset"], r["layer"], r["setting"], r["seed"], r["config_hash"]): r
                           for r in read_results(self.path)}
         seed = self.seed if seed is None else seed
-        return self._done.get(self._key(suite, self.preset, layer, setting, seed, config_hash(config)))
+        return self._done.get(self._key(suite, preset or self.preset, layer, setting, seed, config_hash(config)))
 
     def add(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float,
             seed: int | None = None) -> dict:

@@ -7,8 +7,8 @@ seed) with its learning rates and its training steps at the cap, marked where re
 holds it (what ``--resume`` skips), and each other job with its units of work. Then the total at
 the cap and an estimate of the time on the target device.
 
-The estimate is read from the rows: the seconds per training step of the preset's toys cells
-recorded on that kind of device (a cell's wall time over the steps it trained at all its lrs:
+The estimate is read from the rows: the seconds per training step of the preset's toys cells (and of
+the presets whose cells it reuses, ``toys.reuse``) recorded on that kind of device (a cell's wall time over the steps it trained at all its lrs:
 compiling and evaluating included), the same model and width where recorded, else the median of
 the device's cells. It is an upper bound in steps (every lr to the cap; an early stop saves the
 rest, an lr tried past the grid's edge adds one, a grid at chance two) and it knows only devices the preset has run
@@ -60,7 +60,7 @@ def print_plan(ctx, queued: list, device: str, jobs: int | None) -> None:
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else None
     s = ctx.preset.settings(toys.NAME, toys.Settings)
     rows = [r for r in read_results(ctx.recorder.path)
-            if r["suite"] == toys.NAME and r["preset"] == ctx.preset.name and on_device(r, device, gpu)]
+            if r["suite"] == toys.NAME and r["preset"] in (ctx.preset.name, *s.reuse) and on_device(r, device, gpu)]
     per_model: dict = {}
     for r in rows:
         if (sec := step_seconds(r)) is not None:
@@ -68,7 +68,8 @@ def print_plan(ctx, queued: list, device: str, jobs: int | None) -> None:
     pooled = [x for v in per_model.values() for x in v]
     where = gpu or ("a GPU" if device.startswith("cuda") else f"this CPU ({rows[0]['hardware']['cpu']})" if rows else "this CPU")
     total_steps, total_s, recorded, cells = 0, 0.0, 0, 0
-    print(f"{'job':52s} {'lrs':>4s} {'steps at the cap':>17s} {'estimate':>10s}")
+    states: dict = {}  # (model, width): the memory's state numbers per sequence
+    print(f"{'job':52s} {'lrs':>4s} {'steps at the cap':>17s} {'estimate':>10s} {'state':>8s}")
     for job in queued:
         if job.part is None or job.suites != (toys.NAME,):
             print(f"{' '.join(job.suites) + ' ' + job.layer:52s} {'':>4s} {'(not estimated)':>17s}")
@@ -82,11 +83,15 @@ def print_plan(ctx, queued: list, device: str, jobs: int | None) -> None:
         recorded += done
         total_steps += steps
         total_s += steps * sec
+        if (name, width) not in states:
+            mc = toys.cell_key(ctx, s, name, task, width, seed)[0]
+            states[name, width] = toys.state_numbers(mc, toys.TASK_TYPES[task].mean_length(s))
         what = f"toys {name} {task} d={width} seed {seed}"
         print(f"{what:52s} {lrs:>4d} {'recorded' if done else f'{steps:,}':>17s} "
-              f"{'' if done else _minutes(steps * sec):>10s}")
+              f"{'' if done else _minutes(steps * sec):>10s} {states[name, width]:>8,}")
     if not cells:
         return
+    _print_sizes(s, states)
     basis = (f"from {len(pooled)} cells of this preset recorded on {where}" if pooled else
              f"no cell of preset {ctx.preset.name} is recorded on {where} yet: at an assumed {ASSUMED_STEP_S * 1000:g} ms "
              f"a step, a round figure (the first slice's rows calibrate it)")
@@ -95,6 +100,16 @@ def print_plan(ctx, queued: list, device: str, jobs: int | None) -> None:
           f"{total_steps:,} training steps at the cap (every lr to {s.max_steps:,}; an early stop saves steps, lrs past "
           f"the grid's edges add up to {toys.MAX_BEYOND + 2}). Estimate: {_minutes(total_s)} on {where}, one cell at a time "
           f"({basis}){packed}.")
+
+
+def _print_sizes(s, states: dict) -> None:
+    """Each model with sizes (`toys.sizes`): its state numbers at every size and their span."""
+    for model in s.sizes:
+        points = {m: n for (m, _), n in states.items() if m == model or s.size_of(m) and s.size_of(m)[0] == model}
+        if points:
+            span = max(points.values()) / max(min(points.values()), 1)
+            print(f"state sizes of {model}: " + ", ".join(f"{m} {n:,}" for m, n in sorted(points.items(), key=lambda kv: -kv[1]))
+                  + f" ({len(points)} sizes, {span:.0f}x)")
 
 
 def _minutes(seconds: float) -> str:

@@ -75,7 +75,7 @@ configs and costs; `run`).
 
 from .cell import measure, metrics_of, train_lrs
 from .lr import MAX_BEYOND, at_chance, lr_grid, past_edge, search
-from .models import check_route, reach, state_size, toy_config
+from .models import check_route, reach, state_numbers, state_size, toy_config
 from .plan import cell_config, cell_key, cells, models_of, parts, run, work
 from .settings import NAME, SEGMENTED, TASKS, Settings
 from .tasks import TASK_TYPES, MQAR, AssocRetrieval, Task, slice_name
@@ -84,7 +84,7 @@ from memzoo.bench.schema import slice_order  # the order of a row's slices (the 
 
 __all__ = [
     "NAME", "TASKS", "SEGMENTED", "Settings", "Task", "MQAR", "AssocRetrieval", "TASK_TYPES", "slice_name",
-    "slice_order", "toy_config", "reach", "check_route", "state_size", "Training", "CHECKPOINT_EVERY_S",
+    "slice_order", "toy_config", "reach", "check_route", "state_size", "state_numbers", "Training", "CHECKPOINT_EVERY_S",
     "evaluate", "falling", "solved", "left_chance_at", "train_cell", "MAX_BEYOND", "lr_grid", "past_edge",
     "at_chance", "search", "train_lrs", "metrics_of", "measure", "cell_config", "cell_key", "models_of",
     "cells", "work", "parts", "run",

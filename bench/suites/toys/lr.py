@@ -3,6 +3,9 @@ next beyond it (protocol step 3)."""
 
 from __future__ import annotations
 
+import functools
+import statistics
+
 
 def lr_grid(trainings: dict) -> tuple[float, bool]:
     """(the lr chosen on validation, whether it lies at an edge of the lrs tried): the best
@@ -44,3 +47,26 @@ def search(lrs: list[float], train_at, chance: float) -> dict:
         lr, edge = lr_grid(trainings)
     return trainings
 
+
+
+def around(lr: float) -> list[float]:
+    """A short grid centred on `lr`: a third of it, it, three times it (the state sweep's, whose
+    smaller states want smaller lrs: docs/suites/toys.md, "The state sweep")."""
+    return [float(f"{lr / 3:.6g}"), lr, float(f"{lr * 3:.6g}")]
+
+
+@functools.cache
+def published_choice(preset: str, model: str) -> float | None:
+    """The lr the published rows of `preset` chose for `model` (toys): the median over seeds of the
+    latest row of each seed that chose one (left chance at some lr); None if none did. Read from the
+    checkout's leaderboards/results.jsonl, so that a commit fixes the choice and the cell hashes."""
+    from memzoo.bench.common import published_rows, read_results
+
+    path = published_rows()
+    latest: dict = {}
+    for r in read_results(path) if path else []:
+        if r["suite"] == "toys" and r["preset"] == preset and r["layer"] == model:
+            latest[r["seed"]] = r  # rows are in time order: the last of a seed is its latest
+    chosen = sorted(r["metrics"]["lr"] for r in latest.values() if r["metrics"].get("lr_chosen", True)
+                    and r["metrics"].get("stop") != "diverged" and r["metrics"].get("accuracy", 0) > 2 * r["metrics"]["chance"])
+    return statistics.median_low(chosen) if chosen else None

@@ -80,3 +80,14 @@ def state_size(model: HybridLM, seq_len: int) -> dict:
     shared = any(not m.per_sequence and m.fast_weight_numel() > 0 for m in mems)  # (PKM: no fast weights)
     return {"gdn_state": gdn, "kv_cache": kv, "mem_state": mem, "state_size": gdn + kv + mem, "state_shared": shared}
 
+
+
+def state_numbers(mc: ModelConfig, seq_len: int) -> int:
+    """The memory's state numbers per sequence of a toy model (`state_size`'s ``mem_state``), from a
+    forward of two sequences of `seq_len` tokens at its initialisation: what ``--dry-run`` prints."""
+    import torch
+
+    model = HybridLM(mc).eval()
+    with torch.no_grad():
+        model(torch.zeros(2, seq_len, dtype=torch.long))
+    return state_size(model, seq_len)["mem_state"]

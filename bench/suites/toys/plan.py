@@ -36,7 +36,10 @@ def cell_key(ctx: Context, s: Settings, name: str, task: str, width: int, seed: 
     mc = toy_config(ctx.preset, name, width, TASK_TYPES[task].vocab_of(s), s)
     check_route(mc, name, s)
     config, setting = cell_config(mc, task, s, name), {"task": task, "d_model": width, "route": s.route}
-    return mc, config, setting, ctx.recorded(NAME, name, setting, config, seed)
+    done = ctx.recorded(NAME, name, setting, config, seed)
+    for preset in s.reuse if ctx.resume else ():  # the same cell measured under another preset
+        done = done or ctx.recorder.find(NAME, name, setting, config, seed, preset=preset)
+    return mc, config, setting, done
 
 
 def models_of(layer: str, s: Settings) -> list[str]:

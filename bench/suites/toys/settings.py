@@ -11,6 +11,8 @@ from memzoo.config import ConfigError
 from memzoo.data import assoc_retrieval as ar
 from memzoo.data import mqar
 
+from .lr import around, published_choice
+
 NAME = "toys"
 TASKS = TOYS_TASKS
 
@@ -75,6 +77,13 @@ class Settings:
     test_size: int = 512  # test sequences per slice
     controls: bool = True  # run the controls with the baseline
     run_variants: bool = True  # a layer's variants run with it (false: only a variant named in --layers)
+    # the state sweep (recall-state.yaml): a model's smaller states, {model: {size: {options: {...}, widths: [...]}}},
+    # each run as the variant MODEL/SIZE of the model's layer (a variant's own options under the size's)
+    sizes: dict = field(default_factory=dict)
+    # a preset whose published choice of a model's lr centres its sizes' lrs: [c / 3, c, 3c] (`lr.around`)
+    lrs_around: str = ""
+    # presets whose rows of the same cell (config hash, layer, setting, seed) count as recorded here
+    reuse: list = field(default_factory=list)
     # MQAR (zoology's multiquery_ar)
     mqar_vocab: int = 64
     mqar_seq_len: int = 32
@@ -89,6 +98,33 @@ class Settings:
     route: str = "memory"  # the backbone's mixers are local and every query lies beyond their reach; or "hybrid"
     # Ba's associative retrieval
     ar_pairs: list = field(default_factory=lambda: [4, 8, 12])
+
+    def __post_init__(self) -> None:
+        self.variants = {**self.variants, **self._sized()}
+
+    def _sized(self) -> dict:
+        """The variants MODEL/SIZE of `sizes`: the model's layer, its placement and options, the size's over them."""
+        from memzoo.registry import layer_names
+
+        if not isinstance(self.sizes, dict):
+            raise ConfigError(f"toys.sizes must be a mapping {{model: {{size: {{options: ..., widths: ...}}}}}}, got {self.sizes!r}")
+        out = {}
+        for model, sizes in self.sizes.items():
+            base = self.variants.get(model) or ({"layer": model} if model in layer_names() else None)
+            if base is None or not isinstance(sizes, dict) or not sizes:
+                raise ConfigError(f"toys.sizes.{model}: a registered layer or a variant, with a mapping of sizes; "
+                                  f"valid: {', '.join([*layer_names(), *self.variants])}")
+            for size, spec in sizes.items():
+                if not isinstance(spec, dict) or set(spec) - {"options", "widths"}:
+                    raise ConfigError(f"toys.sizes.{model}.{size} must be {{options: ..., widths: ...}}, got {spec!r}")
+                out[f"{model}/{size}"] = {**base, **({"widths": spec["widths"]} if "widths" in spec else {}),
+                                          "options": {**base.get("options", {}), **spec.get("options", {})}}
+        return out
+
+    def size_of(self, model: str) -> tuple[str, str] | None:
+        """(the model, the size) of a variant of `sizes`, else None."""
+        head, _, size = model.rpartition("/")
+        return (head, size) if size in self.sizes.get(head, {}) else None
 
     def check(self) -> None:
         from memzoo.registry import layer_names
@@ -170,11 +206,21 @@ class Settings:
         return self.batch_by_length.get(seq_len, self.batch_size)
 
     def candidates(self, layer: str) -> list[float]:
-        return list(self.layer_lrs.get(layer, self.lrs))
+        if layer in self.layer_lrs:
+            return list(self.layer_lrs[layer])
+        centre = self._centre(layer)
+        return around(centre) if centre else list(self.lrs)
+
+    def _centre(self, layer: str) -> float | None:
+        """The published lr that centres a size's lrs (`lrs_around`), if any."""
+        sized = self.size_of(layer)
+        return published_choice(self.lrs_around, sized[0]) if sized and self.lrs_around else None
 
     def origin(self, layer: str) -> str:
         """Where a layer's lr comes from (`lr_from`), else how it was chosen."""
         n = len(self.candidates(layer))
+        if layer not in self.layer_lrs and (centre := self._centre(layer)):
+            return f"chosen on validation among {n} around {self.lrs_around}'s {centre:g} ({self.size_of(layer)[0]})"
         given = self.lr_from.get(layer) or (self.lr_from.get("*") if layer not in self.layer_lrs else None)
         return given or (f"chosen on validation among {n}" if n > 1 else "one lr given")
 
