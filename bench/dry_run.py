@@ -8,7 +8,7 @@ holds it (what ``--resume`` skips), and each other job with its units of work. T
 the cap and an estimate of the time on the target device.
 
 The estimate is read from the rows: the seconds per training step of the preset's toys cells (and of
-the presets whose cells it reuses, ``toys.reuse``) recorded on that kind of device (a cell's wall time over the steps it trained at all its lrs:
+the presets whose cells it reuses or whose lrs it takes, ``toys.reuse`` and ``toys.lr_of``) recorded on that kind of device (a cell's wall time over the steps it trained at all its lrs:
 compiling and evaluating included), the same model and width where recorded, else the median of
 the device's cells. It is an upper bound in steps (every lr to the cap; an early stop saves the
 rest, an lr tried past the grid's edge adds one, a grid at chance two) and it knows only devices the preset has run
@@ -60,7 +60,7 @@ def print_plan(ctx, queued: list, device: str, jobs: int | None) -> None:
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else None
     s = ctx.preset.settings(toys.NAME, toys.Settings)
     rows = [r for r in read_results(ctx.recorder.path)
-            if r["suite"] == toys.NAME and r["preset"] in (ctx.preset.name, *s.reuse) and on_device(r, device, gpu)]
+            if r["suite"] == toys.NAME and r["preset"] in (ctx.preset.name, *s.reuse, *s.lr_of) and on_device(r, device, gpu)]
     per_model: dict = {}
     for r in rows:
         if (sec := step_seconds(r)) is not None:

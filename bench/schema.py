@@ -9,6 +9,9 @@ from memzoo.bench.common import BASELINE, CONTROLS
 #: the toys suite's tasks: multi-query associative recall, Ba et al.'s associative retrieval
 TOYS_TASKS = ("mqar", "ar")
 
+#: the recall level the state table and the overview ask a model's seeds' mean (MQAR accuracy) to reach
+RECALL_REACH = 0.9
+
 #: the ppl suite's evaluations: fast weights carried across a document's sequences, or reset
 PPL_MODES = ("carry", "reset")
 #: bucket edges (tokens) of the ppl suite's loss by position in a document

@@ -54,7 +54,8 @@ def test_unknown_names_are_one_clear_error(capsys):
     assert main(["bench", "--layers", "fwpkm", "--suite", "ppl,speed"]) == 2
     assert "unknown suite(s) 'speed'; valid suites: cost, toys, ppl, niah" in capsys.readouterr().err
     assert main(["bench", "--preset", "huge"]) == 2
-    assert ("shipped presets: capacity, gpu, paper, recall, recall-10x, recall-10x-seeds, recall-gpu, standard, tiny"
+    assert ("shipped presets: capacity, gpu, paper, recall, recall-10x, recall-10x-seeds, recall-gpu, recall-state, "
+            "recall-state-10x, standard, tiny"
             in capsys.readouterr().err)
 
 

@@ -1,5 +1,5 @@
 """The package's import graph has no circles: every module's imports, function-level ones included,
-read with `ast` (memzoo/, bench/ as memzoo.bench, kernels/ as memzoo.kernels)."""
+read with `ast` (memzoo/, bench/ as memzoo.bench)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"memzoo": "memzoo", "memzoo.bench": "bench", "memzoo.kernels": "kernels"}
+PACKAGES = {"memzoo": "memzoo", "memzoo.bench": "bench"}
 
 
 def modules() -> dict[str, Path]:

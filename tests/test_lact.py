@@ -280,7 +280,7 @@ def test_stats():
     st = layer.stats()
     assert st["pos"] == 2 * C and st["drift/w1"] > 0 and 0 < st["momentum/mean"] < 1
     assert {"lr/w0", "lr/w1", "lr/w2", "norm/w0", "norm/m0"} <= set(st)
-    assert layer.fast_weight_numel() == 3 * 2 * 16 * 16
+    assert layer.fast_weight_numel() == 2 * 3 * 2 * 16 * 16 + 1  # W0-2 and their momentum, 2 heads of 16; pos
 
 
 # ---- (4) the paper config: `memzoo params` -------------------------------------------------------

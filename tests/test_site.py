@@ -102,6 +102,22 @@ def test_the_page_opens_on_the_overview_whose_cells_link_to_their_sections(brows
     browser.execute_script("window.scrollTo(0, 0)")
 
 
+def test_the_page_shows_recall_against_state_above_the_fold(browser):
+    """The state sweep's figure opens the overview: loaded, and within the first screen of the page."""
+    browser.execute_script("window.scrollTo(0, 0)")
+    fig = browser.find_element("css selector", "#overview img.lead-figure")
+    assert fig.get_attribute("alt") == "toys_mqar_state"
+    assert browser.execute_script("return arguments[0].naturalWidth", fig) > 0  # the image loaded
+    top, height = browser.execute_script("return [arguments[0].getBoundingClientRect().top, window.innerHeight]", fig)
+    assert 0 <= top < height  # above the fold
+    overview = browser.find_element("id", "overview-table")
+    header = [h.text for h in overview.find_elements("css selector", "th")]
+    assert "recall: smallest state at 0.9" in header
+    cells = browser.execute_script("""return [...document.querySelectorAll('#overview-table td a')]
+        .filter(a => a.textContent.includes('cap ')).map(a => a.textContent)""")
+    assert cells and all(c.endswith("(recall-state)") for c in cells)  # the recall column names one preset
+
+
 def test_the_readme_opens_on_the_overview_whose_links_name_its_sections():
     text = (ROOT / "leaderboards" / "README.md").read_text()
     heads = [line for line in text.splitlines() if line.startswith("## ")]

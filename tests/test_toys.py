@@ -418,7 +418,8 @@ def test_micro_run_records_rows_resumes_and_renders(tmp_path):
     for t in tabs.values():
         assert t.to_markdown()
     paths = toys_report.figures(df, tmp_path / "a")
-    assert [p.name for p in paths] == ["toys_mqar_capacity.png", "toys_mqar_curves.png", "toys_mqar_state.png"]
+    # the state figure first: fwpkm at two widths is one model at two states
+    assert [p.name for p in paths] == ["toys_mqar_state.png", "toys_mqar_capacity.png", "toys_mqar_curves.png"]
     again = toys_report.figures(df.iloc[::-1], tmp_path / "b")  # row order does not change the bytes
     assert [p.read_bytes() for p in paths] == [p.read_bytes() for p in again]
 
@@ -447,7 +448,8 @@ def test_a_layer_short_of_the_baselines_seeds_is_withheld(tmp_path):
     narrow = dict(_row("fwl/narrow", 0, 0.7), setting={"task": "mqar", "d_model": 8})  # no baseline at its width
     assert toys_report.incomplete(pd.json_normalize(rows + [narrow]))[1] == {
         "mqar": ["fwl/narrow (1 of 3 seeds)", "linear (1 of 3 seeds)"]}
-    assert [p.name for p in toys_report.figures(df, tmp_path)] == ["toys_mqar_capacity.png", "toys_mqar_state.png"]
+    # no model with state at two sizes: no state figure
+    assert [p.name for p in toys_report.figures(df, tmp_path)] == ["toys_mqar_capacity.png"]
 
 
 def test_figure_intervals_stay_within_0_and_1():

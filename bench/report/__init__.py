@@ -41,18 +41,39 @@ def module(name: str) -> ModuleType:
 _DROP = ("config", "versions", "hardware")  # provenance kept in results.jsonl, not in the tables
 
 
-def latest(rows: list[dict]) -> list[dict]:
-    """The last row of every (suite, preset, layer, setting, seed), in a fixed order."""
+def latest(rows: list[dict], pooled: bool = False) -> list[dict]:
+    """The last row of every (suite, preset, layer, setting, seed), in a fixed order. `pooled`: the
+    last of every processor model too, among the rows of the config its latest row measured (the
+    same cell measured on several processors: an accuracy pools them; `pooled_suite`)."""
     keep: dict[tuple, dict] = {}
-    for r in sorted(rows, key=lambda r: (r["time"], r["run_id"])):
-        keep[(r["suite"], r["preset"], r["layer"], json.dumps(r["setting"], sort_keys=True), r["seed"])] = r
+    ordered = sorted(rows, key=lambda r: (r["time"], r["run_id"]))
+    cell = lambda r: (r["suite"], r["preset"], r["layer"], json.dumps(r["setting"], sort_keys=True))  # noqa: E731
+    config = {cell(r): r.get("config_hash") for r in ordered}  # the config each cell's latest row measured
+    for r in ordered:
+        if pooled and r.get("config_hash") != config[cell(r)]:
+            continue
+        keep[(*cell(r), r["seed"], machine(r) if pooled else "")] = r
     return [keep[k] for k in sorted(keep)]
+
+
+def pooled_suite(name: str) -> bool:
+    """Whether a suite's tables pool processor models (its module's ``POOLED``: accuracies, which a
+    protocol fixes; timings belong to one processor model)."""
+    return bool(getattr(module(name), "POOLED", False))
+
+
+def borrowed(name: str, preset: str, rows: list[dict]) -> list[dict]:
+    """The rows a section of `preset` shows from the presets it reuses (its module's ``BORROWS``:
+    the same cells, counted by the suite's ``reuse``), of the protocol versions its own rows have."""
+    others = getattr(module(name), "BORROWS", {}).get(preset, ())
+    mine = {_kind(r, True)[1] for r in rows if r["suite"] == name and r["preset"] == preset}
+    return [r for r in rows if r["suite"] == name and r["preset"] in others and _kind(r, True)[1] in mine]
 
 
 def frame(rows: list[dict]):
     import pandas as pd
 
-    return pd.json_normalize([{k: v for k, v in r.items() if k not in _DROP} for r in rows])
+    return pd.json_normalize([{**{k: v for k, v in r.items() if k not in _DROP}, "machine": machine(r)} for r in rows])
 
 
 def _groups(rows: list[dict], with_rows: bool = False):
@@ -64,23 +85,27 @@ def _groups(rows: list[dict], with_rows: bool = False):
     measured again later on another machine or protocol: its controls and baseline stay beside its
     rows (a layer measured again elsewhere, with more seeds, does not leave a table without them)."""
     for name in NAMES:
+        pooled = pooled_suite(name)
         for preset in sorted({r["preset"] for r in rows if r["suite"] == name}):
             sub = [r for r in rows if r["suite"] == name and r["preset"] == preset]
-            for key in _shown(sub):
-                part = latest([r for r in sub if _kind(r) == key])
+            sub += borrowed(name, preset, rows)
+            for key in _shown(sub, pooled):
+                part = latest([r for r in sub if _kind(r, pooled) == key], pooled)
                 yield (name, preset, module(name), frame(part)) + ((part,) if with_rows else ())
 
 
-def _shown(rows: list[dict]) -> list[tuple[str, str]]:
+def _shown(rows: list[dict], pooled: bool = False) -> list[tuple[str, str]]:
     """The (machine, protocol) kinds of one suite's and preset's rows that still hold a latest row,
     GPUs and CPUs apart: a CPU's row does not retire a GPU's (nor the reverse), since a GPU's timing
     is not what a CPU measures again."""
-    return sorted({_kind(r) for gpu in (True, False) for r in latest([x for x in rows if bool(x["hardware"].get("gpu")) == gpu])})
+    return sorted({_kind(r, pooled) for gpu in (True, False)
+                   for r in latest([x for x in rows if bool(x["hardware"].get("gpu")) == gpu])})
 
 
-def _kind(r: dict) -> tuple[str, str]:
-    """(machine model, protocol version) of a row: what a table may not mix."""
-    return machine(r), str(r.get("config", {}).get("version", ""))
+def _kind(r: dict, pooled: bool = False) -> tuple[str, str]:
+    """(machine model, protocol version) of a row: what a table may not mix; `pooled`: the protocol
+    only (each row names its processor)."""
+    return "" if pooled else machine(r), str(r.get("config", {}).get("version", ""))
 
 
 def _folder(section: str, preset: str) -> str:
@@ -95,11 +120,13 @@ def _folder(section: str, preset: str) -> str:
 def section_name(name: str, preset: str, rows: list[dict], all_rows: list[dict]) -> str:
     """The heading of a section: suite and preset, and the machine model and protocol version where
     the suite and preset have rows of several."""
-    kinds = _shown([r for r in all_rows if r["suite"] == name and r["preset"] == preset])
+    pooled = pooled_suite(name)
+    kinds = _shown([r for r in all_rows if r["suite"] == name and r["preset"] == preset], pooled)
     head = f"{name} — preset `{preset}`"
     if len(kinds) > 1:
-        m, v = _kind(rows[0])
-        head += f" — {m}" + (f", protocol {v}" if len({k[1] for k in kinds}) > 1 and v else "")
+        m, v = _kind(rows[0], pooled)
+        head += (f" — {m}" if m else "") + (f", protocol {v}" if len({k[1] for k in kinds}) > 1 and v else "")
+        head = head.replace("` —,", "` —")
     return head
 
 
@@ -159,6 +186,7 @@ class Section:
     rows: list  # the rows shown
     anchor: str = ""  # its id in both renderings (README.md's `<a id>`, the page's section), from the heading
     headline: dict | None = None  # its cells of the overview: the suite's `headline(section)` ({} without one)
+    lead_figures: list | None = None  # its figures the overview shows first (the suite's LEAD_FIGURES, with a headline)
 
 
 def sections(rows: list[dict], out: Path) -> list[Section]:
@@ -184,7 +212,9 @@ def sections(rows: list[dict], out: Path) -> list[Section]:
             reading=list(_reading(mod, df, rows)),
             figures=list(mod.figures(df, out / "figures" / _folder(heading, preset))),
             problems=getattr(mod, "problems", lambda df: None)(df), rows=shown, anchor=anchor))
-        out_sections[-1].headline = getattr(mod, "headline", lambda sec: {})(out_sections[-1])
+        sec = out_sections[-1]
+        sec.headline = getattr(mod, "headline", lambda sec: {})(sec)
+        sec.lead_figures = [p for p in sec.figures if p.stem in getattr(mod, "LEAD_FIGURES", ())] if sec.headline else []
     return out_sections
 
 
@@ -234,6 +264,7 @@ def render(results: str | Path = "leaderboards/results.jsonl", out_dir: str | Pa
         "",
         "## Overview",
         "",
+        *[x for path in ov.figures for x in (f"![{path.stem}]({path.relative_to(out).as_posix()})", "")],
         OVERVIEW_NOTE,
         "",
         overview_markdown(ov),

@@ -9,17 +9,19 @@ cell is a table's text, and the page or README beside it says where it comes fro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from memzoo.bench.schema import layer_order
+from memzoo.bench.schema import RECALL_REACH, layer_order
 from memzoo.registry import family_of
 
 NOTE = """\
 One row per layer and published variant; each cell is the headline of one section below and links
-to it. *recall*: MQAR with the memory the only route, from the section with the longest budget (cap,
-in sequences) the layer was trained at: the seeds' mean accuracy over the slices with its 95%
-interval (▲/▼: wholly above / below the baseline's), how many seeds left chance, their stops (a
-capped or at-chance cell is a statement about that budget) and the preset. *NIAH*: exact match (%)
+to it. *recall*: MQAR with the memory the only route, from one preset, the state sweep's
+(`recall-state`, whose top sizes are the `recall` preset's cells; one budget for every layer; a layer
+without rows there has no recall cell): the seeds' mean accuracy over the slices at the layer's
+recall-preset size with its 95% interval (▲/▼: wholly above / below the baseline's), how many seeds
+left chance, their stops (a capped or at-chance cell is a statement about that budget), and the
+smallest state (memory numbers per sequence) at which its seeds' mean reached the level named. *NIAH*: exact match (%)
 after one memorization pass, by haystack length. *PPL*: what carried fast weights are worth in nats
 per token (reset − carry) on the first corpus, and the repeated-passage probe's gain (first reading −
 second), with their intervals. *cost*: training tokens/s over the baseline's, timed in the same
@@ -32,6 +34,7 @@ cell: not measured (or withheld by its section's harness check)."""
 class Overview:
     table: object  # DataFrame: layer, family, then the suites' columns (texts)
     links: dict  # (layer, column) -> the anchor of the section the cell comes from
+    figures: list = field(default_factory=list)  # shown above the table: the sections' lead figures (recall against state)
 
 
 def overview(secs: list) -> Overview:
@@ -59,12 +62,14 @@ def overview(secs: list) -> Overview:
         **{c: [best[(n, c)][1] if (n, c) in best else "" for n in layers] for c in columns},
     })
     links = {k: v[2] for k, v in best.items()}
-    return Overview(table=table, links=links)
+    figures = [p for sec in secs if not sec.problems for p in (sec.lead_figures or [])]
+    return Overview(table=table, links=links, figures=figures)
 
 
 #: the columns in the order a reader asks: does it recall, does it find the needle, is it worth it in
 #: an LM, what does it cost
-COLUMN_ORDER = ("recall: MQAR accuracy", "recall: seeds, stops, budget", "NIAH: exact match % by length",
+COLUMN_ORDER = ("recall: MQAR accuracy", "recall: seeds, stops, budget", f"recall: smallest state at {RECALL_REACH:g}",
+                "NIAH: exact match % by length",
                 "PPL: carried-state gain (nats)", "PPL: re-reading gain (nats)", "cost: training tokens/s × baseline's")
 
 

@@ -186,6 +186,8 @@ def write_site(secs: list, rows: list[dict], out: Path, ov=None) -> Path:
         + '<a href="#overview">Overview</a>'
         + "".join(f'<a href="#{_esc(s.anchor)}">{_esc(s.heading.replace("`", ""))}</a>' for s in secs) + "</nav></div>",
         '<section id="overview"><h2>Overview</h2>',
+        *(f'<img class="lead-figure" alt="{_esc(p.stem)}" src="{_esc("../" + p.relative_to(out).as_posix())}">'
+          for p in ov.figures),
         '<div class="note">' + "".join(f"<p>{_esc(p)}</p>" for p in NOTE.split("\n\n")) + "</div>",
         *_table(ov.table, "overview-table", ov.links),
         "</section>",

@@ -6,9 +6,19 @@ from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci
 from memzoo.bench.report import layer_order, save_png, with_family
 from memzoo.bench.schema import TOYS_TASKS as TASKS
-from memzoo.bench.schema import slice_order
+from memzoo.bench.schema import RECALL_REACH, slice_order
 
 NAME = "toys"
+
+#: accuracy tables pool processor models: rows of one preset, protocol and config measure the same
+#: cell wherever they ran (each names its processor); the controls must hold on each (`withheld`)
+POOLED = True
+
+#: the state sweep, and the preset whose cells are its top size (`toys.reuse`): its section shows them
+STATE, STATE_OF = "recall-state", "recall"
+BORROWS = {STATE: (STATE_OF,)}
+#: the figure the overview opens with (above its table): recall against state, the question it ranks by
+LEAD_FIGURES = ("toys_mqar_state",)
 
 NOTE = """Accuracy is on the labelled positions of the test sets (MQAR: every query; Ba's task: the answer
 after the query): the seeds' mean with the 95% interval of their logits [lo, hi], which stays within
@@ -169,6 +179,144 @@ def validity(df, task: str) -> list[str]:
     return out
 
 
+def withheld(df) -> tuple:
+    """(df without the rows of every processor whose controls fail on it, {task: ["processor: why"]}):
+    a pooled table (`POOLED`) asks the controls to be valid on each processor that contributed rows
+    (`validity` on that processor's rows) and withholds only that processor's rows when they are not.
+    With one processor, the section's own check (`validity`) decides, as before."""
+    if "machine" not in df or df["machine"].nunique() < 2:
+        return df, {}
+    keep, out = df.index == df.index, {}
+    for task in [t for t in TASKS if t in set(df["setting.task"])]:
+        d = df[df["setting.task"] == task]
+        for m, g in d.groupby("machine"):
+            bad = validity(g, task)
+            if bad:
+                keep &= ~df.index.isin(g.index)
+                out.setdefault(task, []).append(f"{m}: {'; '.join(bad)}")
+    return df[keep], out
+
+
+def model_of(df) -> dict:
+    """layer -> the model it is a size of: a state-sweep row (preset `STATE`) named MODEL/SIZE
+    whose MODEL is the longest prefix that names a model of the section's other rows (the top size,
+    from `STATE_OF`); every other layer is a model of its own."""
+    own = set(df.loc[df["preset"] != STATE, "layer"]) if "preset" in df else set(df["layer"])
+    out = {}
+    for layer in df["layer"].unique():
+        out[layer] = layer
+        if layer in own:
+            continue
+        parts = layer.split("/")
+        heads = ["/".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+        out[layer] = next((h for h in heads if h in own), heads[-1] if heads else layer)
+    return out
+
+
+#: the state at which the state table reads every model's accuracy (log-interpolated between two
+#: measured sizes): inside most models' measured ranges
+COMMON_STATE = 1024
+
+
+def _points(m, task_slices) -> dict:
+    """model -> [(memory state, seeds' mean accuracy, [accuracies], [largest-slice accuracies], stops, layer,
+    budget)] by state, for every model measured at two or more sizes (a size of the sweep, or a width; state > 0)."""
+    of = model_of(m)
+    largest = task_slices[-1]
+    out: dict = {}
+    for (layer, _), g in m[m["metrics.mem_state"] > 0].groupby(["layer", "setting.d_model"]):  # a size: a model and width
+        accs = list(g["metrics.accuracy"])
+        out.setdefault(of[layer], []).append((float(g["metrics.mem_state"].iloc[0]), sum(accs) / len(accs), accs,
+                                              list(g[largest].dropna()), list(g["metrics.stop"]), layer,
+                                              float(g["metrics.sequences"].max()) if "metrics.sequences" in g else None))
+    return {k: sorted(v) for k, v in out.items() if len(v) > 1}
+
+
+def _at(points, state: float) -> float | None:
+    """The seeds' mean accuracy at `state`, log-interpolated between the two measured sizes around it."""
+    import math
+
+    for (s0, a0, *_), (s1, a1, *_) in zip(points, points[1:]):
+        if s0 <= state <= s1:
+            return a0 if s1 == s0 else a0 + (a1 - a0) * (math.log(state) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return None
+
+
+def state_table(df):
+    """The state sweep's table: per model measured at several sizes, its accuracy at each (state
+    numbers: mean, stops), the smallest measured state whose seeds' mean reaches `RECALL_REACH` (or "not
+    reached at <= S" with the budget), and its accuracy at `COMMON_STATE`."""
+    import pandas as pd
+
+    m = df[df["setting.task"] == "mqar"]
+    pts = _points(m, _slices(m))
+    recs = []
+    for model in layer_order(list(pts)):
+        p = pts[model]
+        bound = lambda stops: any(s in ("capped", "chance", "diverged") for s in stops)  # noqa: E731
+        reached = next((x for x in p if x[1] >= RECALL_REACH), None)
+        budget = _count(max(x[6] for x in p if x[6] is not None)) if any(x[6] for x in p) else "?"
+        at = _at(p, COMMON_STATE)
+        recs.append({
+            "model": model,
+            "sizes (memory state: mean, stops)": "; ".join(
+                f"{_count(x[0])}: {x[1]:.3f}" + (" (budget-bound)" if bound(x[4]) else "") for x in p),
+            f"smallest state at {RECALL_REACH:g}": (f"{_count(reached[0])}" + (" (budget-bound seeds)" if bound(reached[4]) else "")
+                                              if reached else f"not reached at <= {_count(p[-1][0])} (through {budget} sequences)"),
+            f"accuracy at {_count(COMMON_STATE)} state": "" if at is None else f"{at:.3f}",
+            "span": f"{p[-1][0] / p[0][0]:.0f}x",
+        })
+    return with_family(pd.DataFrame(recs).rename(columns={"model": "layer"})) if recs else None
+
+
+def _state_figure(m, path: Path) -> Path | None:
+    """toys_mqar_state.png: MQAR test accuracy against the memory's state numbers per sequence (log
+    x), a line per model through its sizes with its seeds' 95% interval, a panel per write-rule family;
+    top row the mean over the pair counts, bottom row the largest count. A point whose seeds all
+    converged (solved or plateau) is filled; one with a seed capped or at chance is hollow: where the
+    budget, not the state, may have set it. The attention control (its state is a KV cache) is the
+    dashed reference line."""
+    import matplotlib.pyplot as plt
+
+    from memzoo.registry import family_of
+
+    slices = _slices(m)
+    pts = _points(m, slices)
+    if not pts:
+        return None
+    fams = sorted({family_of(k) or "other" for k in pts})
+    pos = m[m["layer"] == POSITIVE]
+    fig, axes = plt.subplots(2, len(fams), figsize=(3.6 * len(fams) + 1.0, 6.4), sharey=True, sharex=True, squeeze=False)
+    for j, fam in enumerate(fams):
+        models = [k for k in layer_order(list(pts)) if (family_of(k) or "other") == fam]
+        palette = _palette(models)
+        for i, (label, idx) in enumerate((("mean over pair counts", 2), (f"{slices[-1][len(ACC):]} pairs", 3))):
+            ax = axes[i][j]
+            for k in models:
+                p = pts[k]
+                means, bars = _bars([x[idx] for x in p])
+                ax.errorbar([x[0] for x in p], means, yerr=bars, color=palette[k], lw=1.2, capsize=2, label=k)
+                for x, y in zip(p, means):
+                    bound = any(s in ("capped", "chance", "diverged") for s in x[4])
+                    ax.scatter([x[0]], [y], s=28, color=palette[k], zorder=3,
+                               facecolors="white" if bound else palette[k], linewidths=1.2)
+            if not pos.empty:
+                ref = pos["metrics.accuracy"].mean() if idx == 2 else pos[slices[-1]].mean()
+                ax.axhline(ref, color="black", lw=0.8, ls="--", label=f"{POSITIVE} (KV cache)")
+            ax.set_xscale("log")
+            ax.set_ylim(0, 1.02)
+            if i == 0:
+                ax.set_title(fam, fontsize=9)
+            if i == 1:
+                ax.set_xlabel("memory state per sequence (numbers, log)")
+            if j == 0:
+                ax.set_ylabel(f"MQAR test accuracy\n({label})")
+        axes[0][j].legend(fontsize=6, loc="lower right")
+    fig.suptitle("MQAR accuracy against state (hollow: a seed capped or at chance, the budget may have set it)", fontsize=9)
+    fig.tight_layout()
+    return save_png(fig, path)
+
+
 def _task_table(df, task: str, slice_name: str):
     import pandas as pd
 
@@ -298,6 +446,10 @@ def incomplete(df) -> tuple:
     return df[keep], {k: sorted(v) for k, v in out.items()}
 
 
+STATE_TITLE = ("MQAR accuracy against the memory's state (the state sweep: each model at several sizes; the smallest "
+               "state whose seeds' mean reaches the level, and the accuracy at a common state)")
+
+
 def tables(df) -> dict:
     """Per task: test accuracy by slice (mean ± 95% interval over seeds, ▲/▼ against the
     baseline), steps and stops, chosen lr and state size; then the state and parameters per
@@ -306,8 +458,13 @@ def tables(df) -> dict:
     baseline is left out and named in the title (`incomplete`)."""
     import pandas as pd
 
+    df, gone = withheld(df)
     df, partial = incomplete(df)
     out = {}
+    if "preset" in df and STATE in set(df["preset"]) and not validity(df, "mqar"):
+        table = state_table(df)
+        if table is not None:
+            out[STATE_TITLE] = table
     for task in [t for t in TASKS if t in set(df["setting.task"])]:
         title, sl = TITLES[task]
         d = df[df["setting.task"] == task]
@@ -320,6 +477,8 @@ def tables(df) -> dict:
             t = t[t["layer"].isin(CONTROLS)]
         elif task in partial:
             title += f" (withheld until every seed has run: {', '.join(partial[task])})"
+        if task in gone:
+            title += f" (withheld, the controls failing there: the rows measured on {'; '.join(gone[task])})"
         out[title] = with_family(t.reset_index(drop=True))
     first = df.sort_values("seed").groupby(["layer", "setting.task", "setting.d_model"], as_index=False).first()
     first = first[first["setting.task"] == next(t for t in TASKS if t in set(first["setting.task"]))]
@@ -404,18 +563,17 @@ def _curves(m, order, palette, widths, path: Path) -> Path:
 
 def figures(df, out_dir: Path) -> list[Path]:
     """toys_mqar_capacity.png: MQAR test accuracy against kv pairs, a line per model with its
-    95% interval (cut at 0 and 1) and a cross per seed, a panel per width. toys_mqar_state.png:
-    mean accuracy against the recurrent state per sequence (a point per width, a dotted line
-    through a layer's size variants such as ``fwpkm/token`` and ``fwpkm/token-small``; the
-    attention control's state is its KV cache; a model without state, ctrl:none, has no place on
-    its log axis). toys_mqar_curves.png: the learning curves (`_curves`), where the rows keep them. A
-task whose controls fail is not drawn, nor a layer with fewer seeds than the baseline."""
+    95% interval (cut at 0 and 1) and a cross per seed, a panel per width. toys_mqar_state.png, first,
+    where a model was measured at two sizes or more (the state sweep): `_state_figure`.
+    toys_mqar_curves.png: the learning curves (`_curves`), where the rows keep them. A task whose
+    controls fail is not drawn, nor a layer with fewer seeds than the baseline, nor the rows of a
+    processor whose controls fail on it (`withheld`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    df = incomplete(df)[0]
+    df = incomplete(withheld(df)[0])[0]
     m = df[df["setting.task"] == "mqar"]
     if m.empty or validity(df, "mqar"):
         return []
@@ -454,40 +612,8 @@ task whose controls fail is not drawn, nor a layer with fewer seeds than the bas
     if "metrics.history" in m and m["metrics.history"].notna().any():
         paths.append(_curves(m, order, palette, widths, Path(out_dir) / "toys_mqar_curves.png"))
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for layer in order:
-        g = m[(m["layer"] == layer) & (m["metrics.state_size"] > 0)]  # no state (ctrl:none): off a log axis
-        pts = []
-        for w in widths:
-            gw = g[g["setting.d_model"] == w]
-            if not gw.empty:
-                pts.append((float(gw["metrics.state_size"].iloc[0]), list(gw["metrics.accuracy"]), w))
-        if pts:
-            means, bars = _bars([p[1] for p in pts])
-            ax.errorbar([p[0] for p in pts], means, yerr=bars, label=layer,
-                        marker="o", capsize=3, color=palette[layer], linestyle="--" if layer in CONTROLS else "-")
-            for x, y, w in zip([p[0] for p in pts], means, [p[2] for p in pts]):
-                ax.annotate(f"d={w}", (x, y), xytext=(4, -10), textcoords="offset points", fontsize=7,
-                            color=palette[layer])
-    sizes: dict[str, list] = {}  # a layer's size variants (fwpkm/token, fwpkm/token-small): one curve
-    for layer in order:
-        g = m[(m["layer"] == layer) & (m["metrics.state_size"] > 0)]
-        if not g.empty and layer not in CONTROLS:
-            sizes.setdefault(layer.split("-")[0], []).append(
-                (float(g["metrics.state_size"].max()), float(g["metrics.accuracy"].mean()), layer))
-    for base, pts in sizes.items():
-        if len(pts) > 1:
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=palette[pts[-1][2]], lw=0.8, ls=":")
-    ax.set_xscale("log")
-    ax.set_ylim(0, 1.02)
-    ax.set_xlabel("recurrent state per sequence (numbers, log scale)")
-    ax.set_ylabel("MQAR test accuracy (mean over kv counts)")
-    ax.set_title("MQAR accuracy against state size")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(save_png(fig, Path(out_dir) / "toys_mqar_state.png"))
-    return paths
+    state = _state_figure(m, Path(out_dir) / "toys_mqar_state.png")  # a model at two sizes or more
+    return ([state] if state else []) + paths
 
 
 def reading(df, published: list[dict] | None = None) -> list[str]:
@@ -496,7 +622,7 @@ def reading(df, published: list[dict] | None = None) -> list[str]:
     the `published` rows (the leaderboard gives them), a recall-preset section also says, for every
     layer with a seed at chance or capped, whether its long-budget check (`LONG`) is published. A
     layer withheld for want of seeds (`incomplete`) is not read either."""
-    df, out = incomplete(df)[0], []
+    df, out = incomplete(withheld(df)[0])[0], []
     stops = df["metrics.stop"].value_counts()
     out.append("Stops: " + ", ".join(f"{n} {k}" for k, n in sorted(stops.items())) + ".")
     if "metrics.sequences" in df:
@@ -519,31 +645,36 @@ def reading(df, published: list[dict] | None = None) -> list[str]:
 
 def problems(df) -> list[str]:
     """What makes the harness invalid in this section, task by task (empty: valid)."""
+    df = withheld(df)[0]
     return [f"{task}: {p}" for task in TASKS if task in set(df["setting.task"]) for p in validity(df, task)]
 
 
 def headline(sec) -> dict:
-    """The overview's recall cells (`report.overview`): per layer, the MQAR mean over slices as its
-    table shows it, and its seeds' stops and the budget's cap. Ranked so that a layer's cell comes
-    from its longest published budget: the memory the only route first, then the cap (sequences),
-    the seeds and the time of the rows."""
+    """The overview's recall cells (`report.overview`), from the state sweep's section alone (one
+    preset, one budget; `STATE`): per model (not its smaller sizes), the MQAR mean over slices at its
+    top size as its table shows it, its seeds' stops and the budget's cap, and the smallest state
+    whose seeds' mean reaches `RECALL_REACH` (the state table's). Every other section gives none."""
     title = next((t for t in sec.tables if t.startswith(TITLES["mqar"][0])), None)
-    if title is None:
+    if sec.preset != STATE or title is None:
         return {}
-    memory = MEMORY_ROUTE in title
     mqar = [r for r in sec.rows if r["setting"].get("task") == "mqar"]
     caps = [r["config"]["train"]["max_steps"] * r["config"]["train"]["batch_size"] for r in mqar
             if "max_steps" in r["config"].get("train", {})]
     cap = max(caps, default=max(r["metrics"].get("sequences", 0) for r in mqar))
-    when = max(r["time"] for r in mqar)
-    mean, stops = {}, {}
-    for _, rec in sec.tables[title].sort_values("d_model").iterrows():  # a layer's widest row stays
-        rank = (memory, cap, int(rec["seeds"]), when)
-        route = "" if memory else ", behind a GDN"
-        mean[rec["layer"]] = (rank, rec["mean"])
-        stops[rec["layer"]] = (rank, f"{rec['left chance']} left chance; {rec['stop']}; cap {_count(cap)} "
-                                     f"sequences{route} ({sec.preset})")
-    return {"recall: MQAR accuracy": mean, "recall: seeds, stops, budget": stops}
+    import pandas as pd
+
+    t = sec.tables[title]
+    of = model_of(pd.DataFrame([{"layer": r["layer"], "preset": r["preset"]} for r in mqar]))
+    mean, stops, smallest = {}, {}, {}
+    for _, rec in t.sort_values("d_model").iterrows():  # a layer's widest row stays
+        if of.get(rec["layer"], rec["layer"]) != rec["layer"]:
+            continue
+        mean[rec["layer"]] = (0, rec["mean"])
+        stops[rec["layer"]] = (0, f"{rec['left chance']} left chance; {rec['stop']}; cap {_count(cap)} sequences ({sec.preset})")
+    st = sec.tables.get(STATE_TITLE)
+    for _, rec in (st.iterrows() if st is not None else ()):
+        smallest[rec["layer"]] = (0, rec[f"smallest state at {RECALL_REACH:g}"])
+    return {"recall: MQAR accuracy": mean, "recall: seeds, stops, budget": stops, f"recall: smallest state at {RECALL_REACH:g}": smallest}
 
 
 def summary(df) -> str:

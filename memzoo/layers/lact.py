@@ -85,6 +85,9 @@ State (per sequence, ``per_sequence = True``; a new sequence starts from W⁰):
 ``{"w0": [B, H, d_h, d], "w1": [B, H, d, d_h], "w2": [B, H, d_h, d]}``, plus the momentum
 buffers ``"m0", "m1", "m2"`` (``use_momentum``) and ``"pos": [B]`` (long: the position of the
 next token, for RoPE; absent when ``rope_head_dim`` is None, the reference's ``ttt_nope``).
+The state column (``fast_weight_numel``, the base class's count per sequence) counts all of it,
+the RoPE position (one integer) too: the momentum buffers are per-sequence optimiser state that each
+chunk's update reads (M_i ← G_i + μ̄ M_i), as many numbers as the fast weights (tests/test_state_count.py).
 Fast weights are kept in at least fp32 (the reference's ``fp32_states``); reads are cast back
 to the input dtype. Writes are differentiable: the LM loss reaches every slow weight through
 the updates (η, μ and k, v train only this way), as in the reference.
@@ -480,10 +483,6 @@ class LaCT(MemoryLayer):
             out["pos"] = int(st["pos"].max().item()) if st["pos"].numel() else 0
         out.update({k: v.item() for k, v in self._diag.items()})
         return out
-
-    def fast_weight_numel(self) -> int:
-        """Size of the fast weights W0, W1, W2 per sequence (momentum buffers and position excluded)."""
-        return sum(w.numel() for w in self.initial_weights().values())
 
     def reset(self, batch_size: int = 1) -> None:
         self._diag = {}

@@ -84,6 +84,9 @@ class Settings:
     lrs_around: str = ""
     # presets whose rows of the same cell (config hash, layer, setting, seed) count as recorded here
     reuse: list = field(default_factory=list)
+    # presets whose published choice of a model's lr is its one lr here, the first that has one (a long-budget
+    # check at the lr a shorter budget chose: recall-state-10x.yaml)
+    lr_of: list = field(default_factory=list)
     # MQAR (zoology's multiquery_ar)
     mqar_vocab: int = 64
     mqar_seq_len: int = 32
@@ -208,8 +211,14 @@ class Settings:
     def candidates(self, layer: str) -> list[float]:
         if layer in self.layer_lrs:
             return list(self.layer_lrs[layer])
+        if (chosen := self._chosen(layer)) is not None:
+            return [chosen[1]]
         centre = self._centre(layer)
         return around(centre) if centre else list(self.lrs)
+
+    def _chosen(self, layer: str) -> tuple[str, float] | None:
+        """(the preset, its published lr) of `lr_of` that chose the model's lr, if any."""
+        return next(((p, lr) for p in self.lr_of if (lr := published_choice(p, layer)) is not None), None)
 
     def _centre(self, layer: str) -> float | None:
         """The published lr that centres a size's lrs (`lrs_around`), if any."""
@@ -219,6 +228,8 @@ class Settings:
     def origin(self, layer: str) -> str:
         """Where a layer's lr comes from (`lr_from`), else how it was chosen."""
         n = len(self.candidates(layer))
+        if layer not in self.layer_lrs and (chosen := self._chosen(layer)):
+            return f"the lr {chosen[0]}'s rows chose ({chosen[1]:g})"
         if layer not in self.layer_lrs and (centre := self._centre(layer)):
             return f"chosen on validation among {n} around {self.lrs_around}'s {centre:g} ({self.size_of(layer)[0]})"
         given = self.lr_from.get(layer) or (self.lr_from.get("*") if layer not in self.layer_lrs else None)
