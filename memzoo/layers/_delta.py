@@ -120,6 +120,19 @@ class DeltaRuleMemory(MemoryLayer):
         """o [B, T, H, V] -> y [B, T, D]."""
         raise NotImplementedError
 
+    # ---- the pairs adapter (bench/suites/pairs.py): keys and values as `keys_values` gives them;
+    # a layer defines `write_pairs` (its op, its gates) and sets ``no_pairs = None``
+    def pair_dims(self) -> tuple[int, int, int]:
+        return self.num_heads, self.head_dim, self.head_v_dim
+
+    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.keys_values(x, self.init_state(x.shape[0]), {})
+
+    def read_keys(self, k: Tensor) -> Tensor:
+        """Sᵀ k per head: the value the memory holds at k (the read without its query scale)."""
+        S = self.state["S"]
+        return torch.einsum("bnhk,bhkv->bnhv", k.to(S.dtype), S)
+
     # ---- the MemoryLayer verbs -----------------------------------------------------------------
     def read_state(self, x: Tensor, state: State) -> Tensor:
         """o_t = scale · Sᵀ q_t with the memory so far; x itself is not written."""

@@ -175,6 +175,10 @@ class MemoryLayer(nn.Module):
     sparse_params: ClassVar[tuple[str, ...]] = ()
     #: the family of its write rule, a key of FAMILIES ("" = none given: a user's layer may leave it)
     family: ClassVar[str] = ""
+    #: why the write rule cannot be driven by explicit key-value pairs (and how it could be probed), or
+    #: None where the layer has the pairs adapter below (`pair_dims`, `pair_inputs`, `write_pairs`,
+    #: `read_keys`) that the pairs suite (bench/suites/pairs.py: what a rule holds without training) drives
+    no_pairs: ClassVar[str | None] = "no key-value adapter yet"
 
     def __init__(self, d_model: int):
         super().__init__()
@@ -397,6 +401,29 @@ class MemoryLayer(nn.Module):
             self._held = [h.detach() for h in self._held]
 
     @torch.no_grad()
+    # ---- the pairs adapter: the write rule driven by explicit keys and values ---------------------
+
+    def pair_dims(self) -> tuple[int, int, int]:
+        """(heads H, key size K, value size V) of one pair as the write rule takes it."""
+        raise NotImplementedError(f"{type(self).__name__}: {self.no_pairs}")
+
+    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys [B, T, H, K] and values [B, T, H, V] the layer's own `write(x)` stores, from a
+        reset state: what ties the adapter to the layer (the property suite writes both ways)."""
+        raise NotImplementedError(f"{type(self).__name__}: {self.no_pairs}")
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """Write the n pairs k [B, n, H, K], v [B, n, H, V] into the current state with the layer's
+        own write rule (its op), in order and in the layer's own chunks, a pair a token. Its gates and
+        step sizes: with `x` [B, n, D], those the layer computes from x (so that ``write_pairs(
+        *pair_inputs(x), x)`` stores what ``write(x)`` does); without, the neutral values the layer's
+        docstring states (no decay, β = 1, the paper's inner lr, ...)."""
+        raise NotImplementedError(f"{type(self).__name__}: {self.no_pairs}")
+
+    def read_keys(self, k: Tensor) -> Tensor:
+        """What the memory returns at the keys k [B, n, H, K]: [B, n, H, V]; the state unchanged."""
+        raise NotImplementedError(f"{type(self).__name__}: {self.no_pairs}")
+
     def stats(self) -> dict:
         """Diagnostics. The base reports the norm of every fast-weight tensor."""
         return {f"norm/{k}": v.float().norm().item() for k, v in self.state.items()}

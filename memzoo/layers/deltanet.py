@@ -75,6 +75,17 @@ class DeltaNet(DeltaRuleMemory):
                                        chunk_size=self.parallel_chunk)
         return (None if q is None else o), new
 
+    no_pairs = None  # the pairs adapter: neutral β = 1 (each pair overwrites what its key held)
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """S ← (I − β k kᵀ) S + β k vᵀ a pair at a time (the gated delta rule, g = 0); β from x, else 1."""
+        beta = self.beta(x) if x is not None else k.new_ones(k.shape[:3])
+        S = self.state["S"]
+        _, S = gated_delta_rule(k.to(S.dtype), k.to(S.dtype), v.to(S.dtype), torch.zeros_like(beta, dtype=S.dtype),
+                                beta.to(S.dtype), scale=self.scale, initial_state=S, output_final_state=True,
+                                chunk_size=self.parallel_chunk)
+        self.load_state({**self.state, "S": S})
+
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """y = W_o RMSNorm(o) per head."""
         return self.o_proj(self.rmsnorm(o, self.o_norm_weight).flatten(-2).to(x.dtype))

@@ -206,6 +206,29 @@ class LinearAttentionMemory(MemoryLayer):
         o, S = linear_attention_chunked(q, k, v, log_decay, self._pack(state), chunk_size=self.parallel_chunk)
         return self._output(o, x), self._unpack(S)
 
+    # ---- the pairs adapter (bench/suites/pairs.py) -----------------------------------------
+    # Neutral: no decay (λ = 1), the raw read Sᵀk (the normaliser z is kept as the layer keeps it, not
+    # divided by: the outer product's crosstalk is what a pair read shows).
+    no_pairs: ClassVar[str | None] = None
+
+    def pair_dims(self) -> tuple[int, int, int]:
+        return self.num_heads, self.head_dim, self.head_dim
+
+    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        k, v, _ = self._keys_values(x)
+        return k, v[..., : self.head_dim]
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """S ← λ S + k vᵀ a pair at a time (the layer's op); λ from x with ``decay``, else 1."""
+        log_decay = self._keys_values(x)[2] if x is not None else None
+        if self.normalize:
+            v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+        S = self._pack(self.state)
+        self.load_state(self._unpack(linear_attention_final_state(k.to(S.dtype), v.to(S.dtype), log_decay, S)))
+
+    def read_keys(self, k: Tensor) -> Tensor:
+        return torch.einsum("bnhk,bhkv->bnhv", k.to(self.state["S"].dtype), self.state["S"])
+
     # ---- diagnostics ---------------------------------------------------------------------
     @torch.no_grad()
     def stats(self) -> dict:
