@@ -373,22 +373,44 @@ class Recorder:
         row["digest"] = body["digest"] = row_digest(body)  # the row as the file holds it, sealed
         line = json.dumps(body, sort_keys=True, allow_nan=False) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "ab+") as f:
+        with open(self.path, "ab+", buffering=0) as f:  # unbuffered: no bytes left to flush after a failure
             fcntl.flock(f, fcntl.LOCK_EX)
-            end = f.seek(0, os.SEEK_END)
-            if end:  # after a torn last line (no newline), the row starts a line of its own
-                f.seek(end - 1)
-                line = ("" if f.read(1) == b"\n" else "\n") + line
             try:
-                f.write(line.encode())
-                f.flush()
-                os.fsync(f.fileno())
-            except OSError:  # a full disk (ENOSPC) mid-row: the file goes back to what it was
-                f.truncate(end)
-                raise
+                end = self._set_aside_torn_tail(f)
+                try:
+                    data = memoryview(line.encode())
+                    while data:  # a write may be partial
+                        data = data[os.write(f.fileno(), data):]
+                    os.fsync(f.fileno())
+                except OSError as e:  # a full disk (ENOSPC) mid-row: the file goes back to what it was
+                    os.ftruncate(f.fileno(), end)
+                    raise OSError(e.errno, f"{self.path}: a row could not be appended ({e.strerror}); the file is "
+                                           f"as it was, with every row before it") from e
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
         return self._keep(row)
+
+    def _set_aside_torn_tail(self, f) -> int:
+        """The file's length once a torn last line (a write cut short by a kill: no newline) is moved
+        to ``results.jsonl.torn`` beside it, so that the next row starts a line of its own and no torn
+        line is left inside the file (which `read_results` could not read past)."""
+        end = f.seek(0, os.SEEK_END)
+        if not end:
+            return 0
+        f.seek(max(0, end - (1 << 20)))
+        tail = f.read()
+        if tail.endswith(b"\n"):
+            return end
+        cut = tail.rfind(b"\n") + 1  # where the last line starts within the tail (0: the tail is one line)
+        if not cut and end > len(tail):
+            return end  # a last line over a MiB long is no torn row of ours: leave it for read_results to name
+        keep = end - len(tail) + cut
+        with open(f"{self.path}.torn", "ab") as aside:
+            aside.write(tail[cut:] + b"\n")
+        warnings.warn(f"{self.path}: its last line was torn (a write cut short); set aside in {self.path.name}.torn",
+                      stacklevel=3)
+        os.ftruncate(f.fileno(), keep)
+        return keep
 
     def _keep(self, row: dict) -> dict:
         self.rows.append(row)

@@ -167,7 +167,41 @@ class Commits:
         return self._seen[sha]
 
 
-def verify(path: str | Path, rerun: int = 0, lines: list[int] | None = None, out=None) -> int:
+def history(path: str | Path) -> list[str]:
+    """What the file's git history says was changed without a trace: every line it held at any
+    commit (every line a commit added to it) is still in it byte for byte, or in a folder of
+    ``superseded/`` beside it, whose README.md row says why it left. One failure per line, naming the
+    commit that added it and where it was; [] if git has no history of the file."""
+    import subprocess
+
+    path = Path(path).resolve()
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=path.parent, capture_output=True, text=True)
+    if root.returncode:
+        return []
+    rel = path.relative_to(Path(root.stdout.strip()).resolve()).as_posix()
+    log = subprocess.run(["git", "log", "--reverse", "--format=commit %H", "-p", "--unified=0", "--no-color", "--",
+                          rel], cwd=root.stdout.strip(), capture_output=True, text=True, check=True).stdout
+    now = set(path.read_text().splitlines()) if path.is_file() else set()
+    aside = path.parent / "superseded"
+    why = (aside / "README.md").read_text() if (aside / "README.md").is_file() else ""
+    kept: set[str] = set()
+    for f in sorted(aside.glob("*/*.jsonl")) if aside.is_dir() else []:
+        if f"`{f.parent.name}`" in why:  # a folder the README gives its reason for
+            kept |= set(f.read_text().splitlines())
+    failures, commit, seen = [], "", set()
+    for line in log.splitlines():
+        if line.startswith("commit "):
+            commit = line.split()[1][:12]
+        elif line.startswith("+") and not line.startswith("+++") and line[1:].strip():
+            row = line[1:]
+            if row not in now and row not in kept and row not in seen:
+                seen.add(row)
+                failures.append(f"{path.name}: a line that commit {commit} added is no longer in it, nor in a "
+                                f"superseded/ folder with its reason: {row[:120]}{'...' if len(row) > 120 else ''}")
+    return failures
+
+
+def verify(path: str | Path, rerun: int = 0, lines: list[int] | None = None, out=None, with_history: bool = False) -> int:
     """Check every row of `path` (and re-measure `rerun` rows, or those at `lines`); print one line
     per failing row and a summary (to `out`, default stdout); return the exit status (0: every row
     passes)."""
@@ -200,6 +234,8 @@ def verify(path: str | Path, rerun: int = 0, lines: list[int] | None = None, out
         report.warnings.append(f"{report.undigested} row(s) predate the content digest (written before it existed): "
                                + ("checked against the seal beside the file" if report.sealed is not None
                                   else "their content cannot be checked against an edit"))
+    if with_history:
+        report.failures += history(path)
     agreed = None
     if rerun or lines:
         from memzoo.bench.rerun import rerun_rows
@@ -213,6 +249,8 @@ def verify(path: str | Path, rerun: int = 0, lines: list[int] | None = None, out
     summary = (f"memzoo verify: {report.rows} rows in {path}: "
                + (f"{len(report.failures)} failing" if report.failures else "every row passes")
                + (f"; {report.undigested} without a digest (warned)" if report.undigested else "")
-               + (f"; rerun {agreed.agree} of {agreed.total} agree" if agreed is not None else ""))
+               + (f"; rerun {agreed.agree} of {agreed.total} agree" if agreed is not None else "")
+               + ("; its history: every line ever published is still there or superseded with a reason"
+                  if with_history and not any(": a line that commit " in f for f in report.failures) else ""))
     print(summary, file=out)
     return 1 if report.failures else 0

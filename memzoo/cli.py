@@ -84,7 +84,7 @@ def cmd_verify(args) -> int:
     from memzoo.bench.verify import verify
 
     lines = [int(x) for x in args.lines.split(",") if x.strip()] if args.lines else None
-    return verify(args.results, rerun=args.rerun, lines=lines)
+    return verify(args.results, rerun=args.rerun, lines=lines, with_history=args.history)
 
 
 def cmd_inspect(args) -> int:
@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--rerun", type=int, default=0, metavar="K",
                    help="re-measure the K rows cheapest to measure (cost counts, toys cells) and say whether they agree")
     v.add_argument("--lines", help="re-measure the rows at these line numbers instead (comma-separated)")
+    v.add_argument("--history", action="store_true",
+                   help="also check the file's git history: every line it ever held is still there, or in superseded/ "
+                        "with its reason")
     v.set_defaults(fn=cmd_verify)
 
     i = sub.add_parser("inspect", help="per memory layer: gate values per token and the retrieval trace of a read")

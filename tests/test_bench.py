@@ -583,11 +583,15 @@ def test_a_torn_last_row_is_skipped_with_a_warning_and_the_next_row_starts_its_o
     path.write_text(whole + whole[: len(whole) // 2])  # a second write cut short
     with pytest.warns(UserWarning, match=r"results.jsonl:2: the last line is not a whole row"):
         assert len(read_results(path)) == 1
-    rec.add("cost", "baseline", {"b": 2}, {"x": 2.0}, {"c": 1}, 0.1)  # after the torn line, on a line of its own
-    with pytest.raises(Exception, match=r"results.jsonl:2: not a JSON row .*repair or delete that line"):
-        read_results(path)  # the torn line is no longer the last: an error naming it
+    with pytest.warns(UserWarning, match=r"its last line was torn .* set aside in results.jsonl.torn"):
+        rec.add("cost", "baseline", {"b": 2}, {"x": 2.0}, {"c": 1}, 0.1)  # the torn tail set aside, not joined
+    assert [r["setting"] for r in read_results(path)] == [{"b": 1}, {"b": 2}]
+    assert (tmp_path / "results.jsonl.torn").read_text() == whole[: len(whole) // 2] + "\n"
+    path.write_text(path.read_text() + '{"not a row"\n' + whole)
+    with pytest.raises(Exception, match=r"results.jsonl:3: not a JSON row .*repair or delete that line"):
+        read_results(path)  # a bad line inside the file (an edit): an error naming it
     lines = path.read_text().splitlines()
-    path.write_text("\n".join([lines[0], lines[2], "[1, 2]"]) + "\n")
+    path.write_text("\n".join([lines[0], lines[1], "[1, 2]"]) + "\n")
     with pytest.raises(Exception, match=r"results.jsonl:3: not a result row \(it is a JSON list\)"):  # not torn
         read_results(path)
 

@@ -35,6 +35,36 @@ def test_a_full_disk_during_an_append_leaves_results_as_they_were(tmp_path, monk
     assert [r["layer"] for r in read_results(tmp_path / "results.jsonl")] == ["baseline", "mom"]
 
 
+def test_a_write_that_fails_mid_line_leaves_every_other_row_and_the_leaderboard_renders(tmp_path, monkeypatch):
+    """A full disk that takes half a row's bytes and then refuses the rest (as a small tmpfs does):
+    the file goes back to what it was, the error names the file, and once space is freed the next
+    rows append on lines of their own; every row but the failed one reads back and the leaderboard
+    renders from the file (issue 79: the buffered write had left its rest to be flushed on close, a
+    torn line that the next append then ran into)."""
+    from memzoo.bench.report import render
+
+    rec = Recorder(tmp_path, "tiny", 0)
+    for i in range(3):
+        rec.add("cost", "baseline", {"b": i}, {"params": 1, "flops_table2": 1.0}, {"c": 1}, 0.1)
+    before = (tmp_path / "results.jsonl").read_bytes()
+    write = os.write
+
+    def half_then_full(fd, data):
+        if len(data) > 8:
+            return write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(OSError, match=r"results.jsonl: a row could not be appended \(No space left on device\)"):
+        rec.add("cost", "fwpkm", {"b": 9}, {"params": 1}, {"c": 1}, 0.1)
+    assert (tmp_path / "results.jsonl").read_bytes() == before
+    monkeypatch.undo()  # space freed
+    for i in range(3, 5):
+        rec.add("cost", "baseline", {"b": i}, {"params": 1, "flops_table2": 1.0}, {"c": 1}, 0.1)
+    assert [r["setting"]["b"] for r in read_results(tmp_path / "results.jsonl")] == [0, 1, 2, 3, 4]
+    assert render(tmp_path / "results.jsonl")  # the leaderboard reads the file
+
+
 def test_a_cell_whose_row_cannot_be_written_is_reported_failed_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     """A measurement that raises on a full disk becomes a failed cell (a line on stderr), even when
     its failure row cannot be written either; the results file stays whole and --resume measures

@@ -41,6 +41,49 @@ def test_the_published_rows_pass(capsys):
     assert out[-1].startswith("memzoo verify: ") and "every row passes" in out[-1]
 
 
+def test_no_published_row_ever_left_the_file_without_a_trace():
+    """What CI runs: every line leaderboards/results.jsonl held at any commit is still there, or in a
+    superseded/ folder whose README row says why (issue 79: a digest catches an accident, history a
+    deliberate edit)."""
+    from memzoo.bench.verify import history
+
+    assert history(PUBLISHED) == []
+
+
+def test_the_history_check_names_an_edited_row_and_accepts_a_superseded_one(tmp_path, capsys):
+    """In a temporary repository: a commit that edits a published row fails, naming the line and the
+    commit that added it; a row moved to superseded/ with its reason passes."""
+    from memzoo.bench.verify import history
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    board = tmp_path / "leaderboards"
+    board.mkdir()
+    rows = ['{"a": 1}', '{"a": 2}', '{"a": 3}']
+    (board / "results.jsonl").write_text("\n".join(rows) + "\n")
+    git("add", ".")
+    git("commit", "-qm", "rows")
+    (board / "results.jsonl").write_text("\n".join([rows[0], '{"a": 2.5}', rows[2], '{"a": 4}']) + "\n")
+    git("commit", "-qam", "an edit")
+    out = history(board / "results.jsonl")
+    assert len(out) == 1 and 'a line that commit ' in out[0] and out[0].endswith('{"a": 2}')
+    assert verify(board / "results.jsonl", with_history=True) == 1
+    assert '{"a": 2}' in capsys.readouterr().out
+    aside = board / "superseded" / "old-a"
+    aside.mkdir(parents=True)
+    (aside / "results.jsonl").write_text(rows[1] + "\n")
+    (board / "superseded" / "README.md").write_text("| `old-a` | the row a = 2 | measured again |\n")
+    git("add", ".")
+    git("commit", "-qm", "superseded with a reason")
+    assert history(board / "results.jsonl") == []
+    (board / "superseded" / "README.md").write_text("no reason given\n")  # a folder without its reason does not count
+    assert len(history(board / "results.jsonl")) == 1
+
+
 def test_an_edit_of_any_kind_is_named_by_line_and_fails(tmp_path, capsys):
     rows = [_sealed(r) for r in _published(4)]
     metric = json.loads(json.dumps(rows[0]))
