@@ -21,7 +21,9 @@ to it. *recall*: MQAR with the memory the only route, from one preset, the state
 without rows there has no recall cell): the seeds' mean accuracy over the slices at the layer's
 recall-preset size with its 95% interval (▲/▼: wholly above / below the baseline's), how many seeds
 left chance, their stops (a capped or at-chance cell is a statement about that budget), and the
-smallest state (memory numbers per sequence) at which its seeds' mean reached the level named. *NIAH*: exact match (%)
+smallest state (memory numbers per sequence) at which its seeds' mean reached the level named. *pairs*:
+what the layer's write rule holds without training at its bench size (random keys, neutral gates): the
+pairs recalled at 0.9 per 1,000 state numbers (the draws' mean, and of how many numbers). *NIAH*: exact match (%)
 after one memorization pass, by haystack length. *PPL*: what carried fast weights are worth in nats
 per token (reset − carry) on the first corpus, and the repeated-passage probe's gain (first reading −
 second), with their intervals. *cost*: training tokens/s over the baseline's, timed in the same
@@ -69,6 +71,7 @@ def overview(secs: list) -> Overview:
 #: the columns in the order a reader asks: does it recall, does it find the needle, is it worth it in
 #: an LM, what does it cost
 COLUMN_ORDER = ("recall: MQAR accuracy", "recall: seeds, stops, budget", f"recall: smallest state at {RECALL_REACH:g}",
+                "pairs: held at 0.9 per 1k state (no training)",
                 "NIAH: exact match % by length",
                 "PPL: carried-state gain (nats)", "PPL: re-reading gain (nats)", "cost: training tokens/s × baseline's")
 

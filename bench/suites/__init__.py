@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 
 # run order, cheapest first; ppl and niah share the trained LMs. The leaderboard's order too.
-NAMES = ("cost", "toys", "ppl", "niah")
+NAMES = ("cost", "pairs", "toys", "ppl", "niah")
 
 
 def suite(name: str) -> ModuleType:

@@ -297,6 +297,14 @@ class BaFastWeights(MemoryLayer):
     prenorm: ClassVar[bool] = False
     #: forward is per token read-then-write; the read of x_t is the h_t that is then written
     inclusive: ClassVar[bool] = False
+    #: no pairs adapter: Eq. 1 is autoassociative. It stores h hᵀ of the layer's own hidden state, which
+    #: the inner loop has just settled from A itself (Eq. 2), so key = value = h; a hetero-associative
+    #: k vᵀ with a given v is not its rule, and A k at a stored key returns (mostly) k, not a value.
+    #: In the paper a binding lives in the hidden state that the slow W and C mix from two tokens.
+    no_pairs: ClassVar[str | None] = (
+        "autoassociative: A ← λA + η h hᵀ (Eq. 1) stores the outer product of its own settled hidden state "
+        "(key = value = h), not k vᵀ of a given pair; probed by writing states h and reading back the inner "
+        "loop's settling toward them (Eq. 2), not by key-value pairs")
 
     def __init__(
         self,

@@ -400,7 +400,6 @@ class MemoryLayer(nn.Module):
         if self._held:
             self._held = [h.detach() for h in self._held]
 
-    @torch.no_grad()
     # ---- the pairs adapter: the write rule driven by explicit keys and values ---------------------
 
     def pair_dims(self) -> tuple[int, int, int]:
@@ -424,6 +423,7 @@ class MemoryLayer(nn.Module):
         """What the memory returns at the keys k [B, n, H, K]: [B, n, H, V]; the state unchanged."""
         raise NotImplementedError(f"{type(self).__name__}: {self.no_pairs}")
 
+    @torch.no_grad()
     def stats(self) -> dict:
         """Diagnostics. The base reports the norm of every fast-weight tensor."""
         return {f"norm/{k}": v.float().norm().item() for k, v in self.state.items()}

@@ -75,20 +75,65 @@ class DeltaProduct(DeltaRuleMemory):
         beta = torch.sigmoid(self.b_proj(x).to(dt)).reshape(B, T * n, H)
         return F.normalize(k, dim=-1), v, 2 * beta if self.allow_neg_eigval else beta
 
+    def log_decays(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """log α of every step, in order: [B, T·n_h, H]; the forget gate's on each token's first step, else 0."""
+        B, T, _ = x.shape
+        g = torch.zeros(B, T, self.num_householder, self.num_heads, dtype=dtype, device=x.device)
+        if self.forget_gate:  # log α_t on each token's first step
+            a = self.a_proj(x).to(g.dtype)
+            g0 = -self.A_log.to(a.dtype).exp() * F.softplus(a + self.dt_bias.to(a.dtype))
+            g = torch.cat([g0[:, :, None], g[:, :, 1:]], dim=2)
+        return g.flatten(1, 2)
+
+    def rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
+        """The steps (n_h a token, in order) as one gated delta rule over a sequence n_h times as long."""
+        return gated_delta_rule(q, k, v, g, beta, scale=self.scale, initial_state=S, output_final_state=True,
+                                chunk_size=self.parallel_chunk * self.num_householder)
+
     def scan(self, x: Tensor, state: State, q: Tensor | None) -> tuple[Tensor | None, State]:
         new: State = {}
         B, T, _ = x.shape
         n, H = self.num_householder, self.num_heads
         k, v, beta = self.steps(x, state, new)
-        g = k.new_zeros(B, T, n, H)
-        if self.forget_gate:  # log α_t on each token's first step
-            a = self.a_proj(x).to(g.dtype)
-            g0 = -self.A_log.to(a.dtype).exp() * F.softplus(a + self.dt_bias.to(a.dtype))
-            g = torch.cat([g0[:, :, None], g[:, :, 1:]], dim=2)
         qs = k if q is None else torch.cat([q.new_zeros(B, T, n - 1, H, self.head_dim), q[:, :, None]], 2).flatten(1, 2)
-        o, new["S"] = gated_delta_rule(qs, k, v, g.flatten(1, 2), beta, scale=self.scale, initial_state=state["S"],
-                                       output_final_state=True, chunk_size=self.parallel_chunk * n)
+        o, new["S"] = self.rule(qs, k, v, self.log_decays(x, k.dtype), beta, state["S"])
         return (None if q is None else o[:, n - 1 :: n]), new
+
+    # ---- the pairs adapter: a token writes n_h different keys, so one pair a token is its LAST step's
+    no_pairs = None
+
+    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The key and value of every token's last Householder step (the one a read right after the token
+        sees last), as `write(x)` from a reset state computes them: [B, T, H, K], [B, T, H, V]."""
+        k, v, _ = self.steps(x, self.init_state(x.shape[0]), {})
+        n = self.num_householder
+        return k[:, n - 1 :: n], v[:, n - 1 :: n]
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """Each pair a token of n_h delta steps, by `scan`'s op (the gated delta rule over the steps).
+
+        With x: the token's own n_h steps from x and the current state's convolution history (their keys,
+        values, β and the forget gate's decay, the state's histories advanced as `write(x)` does), but the
+        pair's (k, v) in place of its last step's: ``write_pairs(*pair_inputs(x), x)`` is ``write(x)``.
+        Without x: every step writes the pair itself at β = 1, no decay: for a unit key the first step is the
+        delta rule's replacement (Sᵀk = v after it) and the other n_h − 1 find Sᵀk = v and change nothing,
+        so it is the delta rule at β = 1 (Yang et al. 2024, arXiv 2406.06484, Eq. 1-2)."""
+        state, n = self.state, self.num_householder
+        S = state["S"]
+        k, v = k.to(S.dtype), v.to(S.dtype)
+        B, T, H, _ = k.shape
+        new: State = {}
+        if x is None:
+            ks = k[:, :, None].expand(B, T, n, H, k.shape[-1]).flatten(1, 2)
+            vs = v[:, :, None].expand(B, T, n, H, v.shape[-1]).flatten(1, 2)
+            beta, g = ks.new_ones(B, T * n, H), ks.new_zeros(B, T * n, H)
+        else:
+            ks, vs, beta = self.steps(x, state, new)
+            ks = torch.cat([ks.unflatten(1, (T, n))[:, :, : n - 1], k[:, :, None]], 2).flatten(1, 2)
+            vs = torch.cat([vs.unflatten(1, (T, n))[:, :, : n - 1], v[:, :, None]], 2).flatten(1, 2)
+            g = self.log_decays(x, S.dtype)
+        _, new["S"] = self.rule(ks, ks, vs, g, beta.to(S.dtype), S)
+        self.load_state({**state, **new})
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         o = self.rmsnorm(o, self.o_norm_weight)

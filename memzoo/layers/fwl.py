@@ -123,6 +123,12 @@ class FWL(MemoryLayer):
     #: "GDN+SWA | FWL" puts it on the last layer
     default_where: ClassVar[str] = "last"
     bench_cost = 1.6
+    #: no pairs adapter: Eq. 2 is linear attention with keys v_i, but its values are the loss gradients
+    #: ∇_{o_i} L_i (through the LM head, ReLU² and LayerNorm), which a target decides, not a given vector
+    no_pairs: ClassVar[str | None] = (
+        "the write is the gradient of the next-token loss at its outputs (Eqs. 1-2: keys v_i, values the "
+        "output gradients through its head), not a given key-value pair; it could be probed by targets chosen "
+        "as one-hot pairs through its head (write(keys, targets=value ids), read at the keys)")
 
     def __init__(
         self,

@@ -105,7 +105,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from memzoo.layers.base import MemoryLayer, State
-from memzoo.layers.fw_io import FastWeightIO, finite_tokens, from_variant, write_pairs
+from memzoo.layers.fw_io import FastWeightIO, finite_tokens, from_variant
+from memzoo.layers.fw_io import write_pairs as chunk_pairs  # a chunk's pairs (not the adapter's write_pairs)
 from memzoo.registry import register_layer
 
 FAST_KEYS = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
@@ -309,6 +310,22 @@ class FwMLP(MemoryLayer):
             self._last_gate = g.detach().float().mean().item()
         return q, v, g
 
+    def _differentiable(self) -> bool:
+        """Whether a write is differentiated (module docstring: Gradient of the write)."""
+        return self.grad_through_update and torch.is_grad_enabled()
+
+    def _inputs(self, *ts: Tensor) -> tuple[Tensor, ...]:
+        """A write's inputs in the state dtype, detached unless the write is differentiated."""
+        sd, keep_graph = self._state_dtype(), self._differentiable()
+        return tuple((t if keep_graph else t.detach()).to(sd) for t in ts)
+
+    def _weights(self, keep: Tensor, w: Tensor) -> Tensor:
+        """Each pair's weight in the loss: w (its gate, or 1) over the number of pairs in the mean, the
+        chunk's (shared) or its sequence's (per sequence: every sequence's fast weights get the gradient of
+        its own mean); pairs with a non-finite token (keep = 0) weigh 0."""
+        c = torch.where(keep > 0, w, 0)
+        return c / (keep.sum(1, keepdim=True) if self.per_sequence else keep.sum()).clamp(min=1)
+
     def _update(self, q: Tensor, v: Tensor, g: Tensor | None, state: State) -> State:
         """One SGD step on one chunk's pairs: θ' = θ - η ∇_θ mean_{pairs, features} (f(q_t) - v_{t+1})².
         Pairs with a non-finite token are left out of the write and of the mean (module docstring)."""
@@ -317,24 +334,22 @@ class FwMLP(MemoryLayer):
         ok, T = finite_tokens(q, v, g), q.shape[1]
         q, v = q.where(ok[..., None], 0), v.where(ok[..., None], 0)
         g = None if g is None else g.where(ok, 0)
-        q, tgt, w = write_pairs(q, v, g, self.lookahead, self.gate_weighted_loss)
+        q, tgt, w = chunk_pairs(q, v, g, self.lookahead, self.gate_weighted_loss)
         if self.lookahead and self.lookahead_target == "mean":
             tgt = 0.5 * (v[:, :-1] + tgt)
         if q.shape[1] == 0:  # a one-token chunk has no lookahead pair
             return dict(state)
         keep = (ok[:, : q.shape[1]] & ok[:, T - q.shape[1] :]).to(q.dtype)  # the pair's query and target tokens
+        q, tgt, w = self._inputs(q, tgt, w)
+        return self._step(q, tgt, self._weights(keep, w if self.gate_weighted_loss else torch.ones_like(w)), state)
+
+    def _step(self, q: Tensor, tgt: Tensor, c: Tensor, state: State) -> State:
+        """The SGD step of one chunk: θ' = θ − η ∇_θ Σ_{b,n} c_bn · mean_d (f(q_bn; θ) − tgt_bn)² for the
+        pairs q [B, n, D_in], tgt [B, n, D_out] and their weights c [B, n] (`_weights`), clipped with
+        ``grad_clip``."""
         state = self._fast(state)
-        differentiable = self.grad_through_update and torch.is_grad_enabled()
-        if not differentiable:
-            q, tgt, w = q.detach(), tgt.detach(), w.detach()
-        sdtype = state["w_up"].dtype
-        q, tgt, w = q.to(sdtype), tgt.to(sdtype), w.to(sdtype)
+        differentiable = self._differentiable()
         theta = state if differentiable else {k: p.detach() for k, p in state.items()}
-        # each pair's weight in the loss: its gate (gate-weighted) over the number of pairs in the
-        # mean, the chunk's (shared), or its sequence's (per sequence: every sequence's fast
-        # weights get the gradient of its own mean); pairs with a non-finite token weigh 0
-        c = torch.where(keep > 0, w if self.gate_weighted_loss else torch.ones_like(w), 0)
-        c = c / (keep.sum(1, keepdim=True) if self.per_sequence else keep.sum()).clamp(min=1)
         grads = swiglu_grads(q, tgt, c, theta)
         if self.grad_clip:  # the release's FastWeightMLP: each gradient entry clamped to [-1, 1]
             grads = [g.clamp(-1.0, 1.0) for g in grads]
@@ -353,6 +368,58 @@ class FwMLP(MemoryLayer):
         for s in range(0, x.shape[1], C):
             state = self._update(q[:, s : s + C], v[:, s : s + C], None if g is None else g[:, s : s + C], state)
         return state
+
+    # ---- the pairs adapter (bench/suites/pairs.py): the layer's SGD step (_step) on given pairs ------------
+    # One head (H = 1): a key is a query q [D_in] as the shell projects it (no normalisation), a value a
+    # target [D_out]; the loss mean_{pairs, features} (f(k) − v)² of App. A, one SGD step per chunk.
+    # Neutral (x None):
+    #   lr        the layer's lr (η, 0.1 in Table 3), its grad_clip as it is set
+    #   gates     none: every pair weighs 1 in its chunk's mean (gate = 1), whatever gate_weighted_loss
+    #   chunks    of chunk_size pairs, all of them written (explicit pairs need no lookahead shift)
+    #   state     per sequence with per_sequence=True (each sequence's own mean), else one mean over the batch
+    # With x: the pair weights are the gates g_t the shell computes from x where gate_weighted_loss, else 1
+    # (FwMLP has no other data-dependent step size). The lookahead lives in pair_inputs' values.
+    no_pairs = None
+
+    def pair_dims(self) -> tuple[int, int, int]:
+        return 1, self.input_dim, self.output_dim
+
+    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The queries q_t [B, T, 1, D_in] and the targets write(x) trains f(q_t) toward [B, T, 1, D_out]:
+        with lookahead the next token's value v_{t+1} ("mean": (v_t + v_{t+1}) / 2, the z-scored values);
+        without, v_t. Pairs never straddle a chunk (Sec. 3.4.2), so write(x) writes nothing at a chunk's
+        last token: its value here is NaN, and write_pairs leaves a pair with a non-finite key or value
+        out of the write and of its chunk's mean, as the layer's write does."""
+        q, v, _ = self.io.project(x)
+        if not self.lookahead:
+            return q.unsqueeze(2), v.unsqueeze(2)
+        tgt = torch.cat([v[:, 1:], torch.full_like(v[:, :1], float("nan"))], 1)  # v_{t+1}: none after the last
+        if self.lookahead_target == "mean":
+            tgt = 0.5 * (v + tgt)
+        last = torch.arange(x.shape[1], device=x.device) % self.chunk_size == self.chunk_size - 1
+        tgt = tgt.where(~last[None, :, None], float("nan"))  # a chunk's last token: no pair
+        return q.unsqueeze(2), tgt.unsqueeze(2)
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """One SGD step per chunk of chunk_size pairs (`_step`, the layer's own), the neutral settings
+        above, or with x the gates as pair weights (gate_weighted_loss)."""
+        q, tgt = k[:, :, 0], v[:, :, 0]  # [B, n, D_in], [B, n, D_out]
+        g = self._project(x)[2] if x is not None and self.gate_weighted_loss else None
+        ok = finite_tokens(q, tgt, g)
+        q, tgt = q.where(ok[..., None], 0), tgt.where(ok[..., None], 0)
+        w = torch.ones(q.shape[:2], dtype=q.dtype, device=q.device) if g is None else g.where(ok, 0)
+        state, C = self.state, self.chunk_size
+        for s in range(0, q.shape[1], C):
+            c = slice(s, s + C)
+            qc, tc, wc = self._inputs(q[:, c], tgt[:, c], w[:, c])
+            state = self._step(qc, tc, self._weights(ok[:, c].to(qc.dtype), wc), state)
+        self.load_state(state)
+
+    def read_keys(self, k: Tensor) -> Tensor:
+        """f(k; θ) [B, n, 1, D_out], the fast MLP at the keys (before the gate and the value residual of
+        Eq. 33); the state unchanged."""
+        state = self._fast(self.state)
+        return swiglu(k[:, :, 0].to(state["w_up"].dtype), state).unsqueeze(2)
 
     # ---- causal mixing: per chunk, read with the memory so far, then write -------------------
     def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:

@@ -10,7 +10,8 @@ Read (Eqs. 26-34), for every token of a chunk, with the memory so far:
     v̂_{t+1} = Σ_{i∈I} s'_i V_i                                  Eq. 32 (1 head, top-8, 512² slots)
     o'_t = Linear(RMSNorm(g_t v̂_{t+1} + (1 - g_t) v_t))          Eqs. 33-34
 
-Write (Eqs. 35-39), once per chunk, from the same pre-update fast weights:
+Write (Eqs. 35-39), once per chunk (``write(x)`` too: chunk by chunk, as forward), from the same
+pre-update fast weights:
     V_i <- V_i - η (1/N_i^read) Σ_t g_t (v̂_t - v_{t+1}) s'_{t,i}  Eqs. 35-36: the gradient of the summed,
                                                                 gate-weighted ½||v - v̂||² (Sec. 3.2.2), each
                                                                 row divided by N_i^read; η = 1, no clipping
@@ -55,6 +56,22 @@ The math. Lookup, read, value step and key gradient are the pure functions of
 sorted-segment sums for the value step and the key gradient); ``triton=False`` keeps the torch
 path everywhere, and a write that outer gradients flow through (``grad_through_update``) takes it
 too. This class holds the fast weights, runs the chunk loop and notes the diagnostics of stats().
+
+The pairs adapter (MemoryLayer.write_pairs / read_keys; bench/suites/pairs.py). A pair is one
+query (the key, H·Dk: the heads' sub-queries joined, as one pair head, since the heads share one
+softmax and one value table) and one target (the value, Dv: what the value step moves the read
+toward; with lookahead v_{t+1}). `write_pairs` runs the layer's own chunk step (`_step`: the
+lookup, `value_step` and, with x, the key step of :mod:`memzoo.ops.fwpkm`) a pair a token,
+``chunk_size`` pairs a chunk, so ``write_pairs(*pair_inputs(x), x)`` stores what ``write(x)``
+stores. Neutral (no x): every pair at weight 1 (no gate, no lookahead: the pairs are explicit),
+the layer's value step (its lr, the paper's η = 1 by default; the release's × top-k × heads if
+set) and no key step: the addressing loss is a usage regulariser over a chunk's queries, not the
+storage of a pair, and without it each pair is stored at the slots the current sub-keys address
+(``pairs_key_step = True`` steps them as write(x) does). `read_keys` is the lookup and Eq. 32's
+read, before the gate and output. With top-1 slots (and one head) each value step lands the read
+exactly on its target (Eq. 16); with top-k, a pair alone on its slots moves its read by the
+fraction Σ_i s'_i² of the error per write (V_i += s'_i (v − v̂)), so repeated writes converge to
+the target geometrically.
 
 Non-finite input. The memory is shared by the batch and persists, so one sequence's NaN must
 not reach the others or later calls: a token whose query, value or gate is not finite is left
@@ -200,9 +217,15 @@ class FwPKM(MemoryLayer):
 
     # ---- memorisation (Eqs. 35-39) ---------------------------------------------------------
     def write_state(self, x: Tensor, state: State) -> State:
+        """Memorize x chunk by chunk (``chunk_size`` tokens, one update each, from the memory the
+        previous chunk left): the writes forward makes (`one_chunk` sets chunk_size to the whole)."""
         q, v, g = self.io.project(x)
-        lk, w, idx = self._lookup(q, state)
-        return self._update(q, v, g, lk, w, idx, state)
+        out = dict(state)  # T = 0: nothing written
+        for s in range(0, x.shape[1], self.chunk_size):
+            c = slice(s, s + self.chunk_size)
+            lk, w, idx = self._lookup(q[:, c], out)
+            out = self._update(q[:, c], v[:, c], None if g is None else g[:, c], lk, w, idx, out)
+        return out
 
     def _update(self, q, v, g, lk: Lookup, w, idx, state: State) -> State:
         """One chunk's write from the pre-update fast weights: the keys step on the addressing
@@ -222,15 +245,27 @@ class FwPKM(MemoryLayer):
         qw, tgt, lw = write_pairs(q, v, g, self.lookahead, self.gate_weighted_loss)
         Tw = qw.shape[1]
         lw = lw * (ok[:, :Tw] & ok[:, T - Tw :])  # a pair needs its query's and its target's token
+        return self._step(q, ok, tgt, lw, lk, w, idx, state, key_step=True, stored=1 if self.lookahead else 0)
+
+    def _step(self, q, ok, tgt, lw, lk: Lookup, w, idx, state: State, *, key_step: bool, stored: int) -> State:
+        """The step of one chunk of T tokens whose first Tw = tgt.shape[1] write: queries q [B, T, H·Dk]
+        (zero where not `ok` [B, T]), targets tgt [B, Tw, Dv] and pair weights lw [B, Tw] (0 for a pair
+        that writes nothing), the lookup and reads (lk, w, idx) of all T tokens. `key_step`: the keys'
+        step too (Eqs. 37-39, or App. B's memorisation loss); `stored`: the offset of the token whose
+        value pair t stores (diagnostics: 1 with lookahead)."""
+        B, T, _ = q.shape
+        Tw = tgt.shape[1]
         outer = self.grad_through_update and torch.is_grad_enabled()  # outer gradients through the write
-        if self.addr_loss:
+        new = dict(state)
+        if key_step and self.addr_loss:
             key_grad = fw.addressing_key_grad(q, ok, lk, state["keys"], weight=self.addr_loss_weight, score=self.score,
                                               eps=self.idw_eps, pooled_entropy=self.pooled_entropy, outer=outer,
                                               triton=self.triton)
-        else:  # App. B: the keys follow the memorisation loss
+            new["keys"] = state["keys"] - self.lr * key_grad
+        elif key_step:  # App. B: the keys follow the memorisation loss
             key_grad = fw.memorisation_key_grad(q, lk, state["keys"], self._values(state), tgt, lw, score=self.score,
                                                 eps=self.idw_eps, outer=outer)
-        new = {**state, "keys": state["keys"] - self.lr * key_grad}
+            new["keys"] = state["keys"] - self.lr * key_grad
         if Tw > 0:
             values = state["values"]
             flat = values.view(-1, self.value_dim)
@@ -241,7 +276,7 @@ class FwPKM(MemoryLayer):
             functional = values.requires_grad or outer
             new["values"] = fw.value_step(flat, idx, w, err, ok, scale, functional=functional,
                                           triton=self.triton).view_as(values)
-            self._note_write(idx[:, :Tw], B, Tw)
+            self._note_write(idx[:, :Tw], B, Tw, stored)
         if not torch.compiler.is_compiling():  # diagnostics stay out of compiled graphs
             self._pos += T
         return new
@@ -263,6 +298,97 @@ class FwPKM(MemoryLayer):
         if not v_hats:  # T = 0
             return x.new_zeros(x.shape), state
         return self.io.output(torch.cat(v_hats, dim=1).to(v.dtype), v, g), state
+
+    # ---- the pairs adapter (bench/suites/pairs.py; module docstring) -----------------------
+    no_pairs = None
+    #: without x, whether `write_pairs` also steps the keys on the addressing loss (Eqs. 37-39); off:
+    #: the neutral write stores values at the slots the keys address now (module docstring)
+    pairs_key_step: bool = False
+
+    def pair_dims(self) -> tuple[int, int, int]:
+        """One pair head: the key is the whole query (the heads' sub-queries joined, H·Dk: the heads
+        read one joint softmax over H × top-k slots of one value table), the value one of Dv."""
+        return 1, self.heads * self.key_dim, self.value_dim
+
+    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The queries q_t [B, T, 1, H·Dk] and the targets their write moves the read toward [B, T, 1, Dv]:
+        v_t, or with lookahead v_{t+1} inside the chunk (Eq. 22); a chunk's last token stores no pair
+        (its value here is 0, and with x its pair's weight is 0)."""
+        q, v, _ = self.io.project(x)
+        B, T, _ = q.shape
+        if self.lookahead:
+            t = torch.arange(T, device=v.device)
+            keep = (t % self.chunk_size != self.chunk_size - 1) & (t < T - 1)
+            v = torch.cat([v[:, 1:], v[:, :1]], dim=1).where(keep[:, None], 0)
+        return q.unsqueeze(2), v.unsqueeze(2)
+
+    def _check_pairs(self, k: Tensor, v: Tensor | None = None) -> None:
+        H, K, V = self.pair_dims()
+        if k.dim() != 4 or tuple(k.shape[2:]) != (H, K) or (v is not None and tuple(v.shape) != (*k.shape[:3], V)):
+            got = tuple(k.shape) if v is None else (tuple(k.shape), tuple(v.shape))
+            raise ValueError(f"FwPKM pairs: keys [B, n, {H}, {K}] and values [B, n, {H}, {V}] expected, got {got}")
+        if self.per_sequence and k.shape[0] != self._batch_size:
+            raise ValueError(f"FwPKM holds state for batch size {self._batch_size} but got a batch of {k.shape[0]} "
+                             f"pair sequences; call reset(batch_size={k.shape[0]}) first")
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """The layer's write (lookup, value_step and, with x, the key step of :mod:`memzoo.ops.fwpkm`) on
+        the pairs (k_t, v_t), a pair a token, chunk by chunk (``chunk_size`` pairs, each chunk addressed
+        with the memory the previous one left). Each pair's slots step toward v_t: V_i += lr/N_i^read ·
+        Σ_t w_{t,i} (v_t − v̂_t) (Eqs. 35-36). With x [B, n, D]: the weights, token mask and key step that
+        write(x) computes from x (gates g_t, a chunk's last pair unwritten with lookahead, the addressing
+        loss's step on the sub-keys). Without x (neutral): every pair written at weight 1 (no gate), the
+        layer's own value step (lr, default the paper's η = 1), and the keys left as they are
+        (`pairs_key_step` to step them too): pairs are stored at the slots the current sub-keys address."""
+        self._check_pairs(k, v)
+        B, n = k.shape[:2]
+        if x is not None:
+            if tuple(x.shape[:2]) != (B, n):
+                raise ValueError(f"FwPKM.write_pairs: x must be [B, n, D] = [{B}, {n}, {self.d_model}], "
+                                 f"got {tuple(x.shape)}")
+            state = self._current(x)
+            _, vx, g = self.io.project(x)
+        else:
+            state, vx, g = self.state, None, None
+        q, tv = k.reshape(B, n, -1), v.reshape(B, n, -1)
+        C = self.chunk_size
+        for s in range(0, n, C):
+            c = slice(s, s + C)
+            state = self._pairs_chunk(q[:, c], tv[:, c], x is not None, None if vx is None else vx[:, c],
+                                      None if g is None else g[:, c], state)
+        self._state = state
+
+    def _pairs_chunk(self, q: Tensor, v: Tensor, from_x: bool, vx: Tensor | None, g: Tensor | None,
+                     state: State) -> State:
+        """One chunk of pairs: `_update`'s masks and weights, the targets given rather than built from x."""
+        lk, w, idx = self._lookup(q, state)
+        if not self.grad_through_update:
+            q, v, w = q.detach(), v.detach(), w.detach()
+            vx = None if vx is None else vx.detach()
+            g = None if g is None else g.detach()
+        T = q.shape[1]
+        if from_x:  # write(x)'s masks and weights: a token counts if its query, own value and gate are finite
+            ok = finite_tokens(q, vx, g, w)
+            g = None if g is None else g.where(ok, 0)
+            Tw = T - 1 if self.lookahead else T  # with lookahead the chunk's last token stores no pair
+            pair_ok = ok[:, :Tw] & ok[:, T - Tw :]  # and a pair needs its query's and its target's token
+            lw = g[:, :Tw] if (self.gate_weighted_loss and g is not None) else q.new_ones(q.shape[0], Tw)
+        else:  # neutral: every finite pair at weight 1
+            ok = finite_tokens(q, v, w)
+            Tw, pair_ok, lw = T, ok, q.new_ones(q.shape[:2])
+        lw = lw * pair_ok
+        tgt = v[:, :Tw].where(pair_ok[..., None], 0)
+        q, w = q.where(ok[..., None], 0), w.where(ok[..., None], 0)
+        return self._step(q, ok, tgt, lw, lk, w, idx, state, key_step=from_x or self.pairs_key_step,
+                          stored=1 if from_x and self.lookahead else 0)
+
+    def read_keys(self, k: Tensor) -> Tensor:
+        """What the memory returns at keys k [B, n, 1, H·Dk]: the lookup and the read v̂ = Σ s'_i V_i
+        (Eqs. 27-32, before the gate and output of Eqs. 33-34), [B, n, 1, Dv]; the state unchanged."""
+        self._check_pairs(k)
+        state = self.state
+        lk, w, idx = self._lookup(k.reshape(*k.shape[:2], -1), state)
+        return fw.read(self._values(state), idx, w, self.triton).unsqueeze(2)
 
     # ---- diagnostics (Sec. 3.3 usage, Fig. 3 gates, Fig. 5 retrieval trace) ---------------
     @torch.compiler.disable  # traced, the in-place refill becomes a fresh [B, n², Dv] clone per call (10x slower)
@@ -305,14 +431,14 @@ class FwPKM(MemoryLayer):
         return {k: None if reads[0][k] is None else torch.cat([r[k] for r in reads], dim=1) for k in reads[0]}
 
     @torch.no_grad()
-    def _note_write(self, idx_w: Tensor, B: int, Tw: int) -> None:
+    def _note_write(self, idx_w: Tensor, B: int, Tw: int, off: int) -> None:
         if torch.compiler.is_compiling():  # as _note_read
             return
         rows = self.N * (B if self.per_sequence else 1)
         if self._writer is None or self._writer.shape[0] != rows or self._writer.device != idx_w.device:
             # who wrote each slot last: stream position and batch row (-1: not since reset)
             self._writer = torch.full((rows, 2), -1, dtype=torch.long, device=idx_w.device)
-        off = 1 if self.lookahead else 0  # the token whose value was stored
+        # off: from a pair's query token to the token whose value it stored (1 with lookahead)
         pos = (self._pos + off + torch.arange(Tw, device=idx_w.device)).view(1, Tw, 1).expand_as(idx_w)
         seq = torch.arange(B, device=idx_w.device).view(B, 1, 1).expand_as(idx_w)
         self._writer[idx_w.reshape(-1)] = torch.stack([pos.reshape(-1), seq.reshape(-1)], -1)  # later ones win

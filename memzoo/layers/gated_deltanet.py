@@ -68,6 +68,22 @@ class GatedDeltaNet(DeltaNet):
                                        chunk_size=self.parallel_chunk)
         return (None if q is None else o), new
 
+    no_pairs = None  # the pairs adapter: neutral β = 1 and no decay (g = 0, α = 1): DeltaNet's delta rule
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """S ← α (I − β k kᵀ) S + β k vᵀ a pair at a time, by the op `scan` runs (the gated delta rule).
+        With x: β and the decay g = log α the layer computes from x. Without: β = 1 and g = 0 (α = 1),
+        the delta rule of Yang et al. 2024 (arXiv 2406.06484, Eq. 1-2): each pair replaces what its key held."""
+        S = self.state["S"]
+        if x is None:
+            beta, g = k.new_ones(k.shape[:3], dtype=S.dtype), k.new_zeros(k.shape[:3], dtype=S.dtype)
+        else:
+            beta, g = self.beta(x).to(S.dtype), self.log_decay(x).to(S.dtype)
+        k, v = k.to(S.dtype), v.to(S.dtype)
+        _, S = gated_delta_rule(k, k, v, g, beta, scale=self.scale, initial_state=S, output_final_state=True,
+                                chunk_size=self.parallel_chunk)
+        self.load_state({**self.state, "S": S})
+
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """y = W_o (RMSNorm(o) ⊙ silu(W_g x)) per head."""
         gate = F.silu(self.heads(self.g_proj(x).to(o.dtype), self.head_v_dim))

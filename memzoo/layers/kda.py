@@ -53,14 +53,31 @@ class KimiDeltaAttention(DeltaNet):
         f = self.heads(self.f_proj(x).to(self.cdtype()) + self.dt_bias.to(self.cdtype()))
         return -self.A_log.to(f.dtype).exp()[:, None] * F.softplus(f)
 
+    def rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
+        """KDA's step as the DPLR op (module docstring): per-channel log decay g [B, T, H, K], β [B, T, H, 1]."""
+        return dplr_delta_rule(q, beta * k, v, g.exp() * k, -beta * k, g, scale=self.scale, initial_state=S,
+                               output_final_state=True, chunk_size=self.parallel_chunk)
+
     def scan(self, x: Tensor, state: State, q: Tensor | None) -> tuple[Tensor | None, State]:
         new: State = {}
         k, v = self.keys_values(x, state, new)
-        g, beta = self.log_decay(x), self.beta(x)[..., None]
-        o, new["S"] = dplr_delta_rule(k if q is None else q, beta * k, v, g.exp() * k, -beta * k, g, scale=self.scale,
-                                      initial_state=state["S"], output_final_state=True,
-                                      chunk_size=self.parallel_chunk)
+        o, new["S"] = self.rule(k if q is None else q, k, v, self.log_decay(x), self.beta(x)[..., None], state["S"])
         return (None if q is None else o), new
+
+    no_pairs = None  # the pairs adapter: neutral β = 1 and no decay (α = 1 on every channel): the delta rule
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """S ← (I − β k kᵀ) Diag(α) S + β k vᵀ a pair at a time, by `scan`'s op (the DPLR delta rule). With x:
+        β and the per-channel decay the layer computes from x. Without: β = 1 and log α = 0 on every channel,
+        the delta rule of Yang et al. 2024 (arXiv 2406.06484, Eq. 1-2): each pair replaces what its key held."""
+        S = self.state["S"]
+        k, v = k.to(S.dtype), v.to(S.dtype)
+        if x is None:
+            g, beta = torch.zeros_like(k), k.new_ones(*k.shape[:3], 1)
+        else:
+            g, beta = self.log_decay(x).to(S.dtype), self.beta(x)[..., None].to(S.dtype)
+        _, S = self.rule(k, k, v, g, beta, S)
+        self.load_state({**self.state, "S": S})
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """y = W_o (RMSNorm(o) ⊙ sigmoid(W_g↑ W_g↓ x)) per head."""

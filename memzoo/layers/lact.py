@@ -470,6 +470,57 @@ class LaCT(MemoryLayer):
         """Per chunk: read with the fast weights so far, then update."""
         return self._run(x, state, with_output=True)
 
+    # ---- the pairs adapter (bench/suites/pairs.py): lact_chunk on given k, v ----------------------------
+    # A pair is (k, v) as `project` gives them: k unit per head (k / (‖k‖ + 1e-5)) and, with RoPE, rotated
+    # to its position (positions from a reset state); the loss −η f(k; W)·v per matrix (the module docstring).
+    # Neutral (x None):
+    #   lr        η⁰ = η¹ = η² = base_lr for every pair (the softplus rate at a zero projection)
+    #   momentum  none: μ̄ = 0 (the buffers, with use_momentum, then hold the chunk's own step, M_i = G_i)
+    #   Muon      none: plain SGD steps, whatever use_muon
+    #   chunks of the layer's chunk_size; the L2 weight normalisation to ‖W⁰‖'s rows kept (part of the rule)
+    # With x: the layer's per-token η⁰, η¹, η², its μ_t (use_momentum) and its use_muon.
+    no_pairs = None
+
+    def pair_dims(self) -> tuple[int, int, int]:
+        return self.num_heads, self.head_dim, self.head_dim
+
+    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """k_t, v_t [B, T, H, d] as write(x) takes them from a reset state (RoPE at positions 0..T−1)."""
+        p = self.project(x, self.init_state(x.shape[0]))
+        return p["k"].transpose(1, 2), p["v"].transpose(1, 2)
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """One LaCT update per chunk of the n pairs (:func:`lact_chunk` without a read, the layer's op):
+        rates, momentum and Muon from x, else the neutral settings above. RoPE's position moves on by n."""
+        state, sd = self._fast(self.state), self._state_dtype()
+        k, v = (t.to(sd).transpose(1, 2) for t in (k, v))  # [B, H, n, d]
+        B, H, n, _ = k.shape
+        if x is not None:
+            p = self.project(x, state)
+            lr, mu, muon = p["lr"], p["mu"], self.use_muon
+        else:
+            lr = (k.new_full((B, H, n), self.base_lr),) * 3
+            mu, muon = (k.new_zeros(B, H, n) if self.use_momentum else None), False
+        norms, C = self._row_norms(), self.chunk_size
+        for s in range(0, n, C):
+            c = slice(s, s + C)
+            w = {key: state[key] for key in FAST_KEYS}
+            m = {key: state[key] for key in MOMENTUM_KEYS} if self.use_momentum else None
+            with state_precision(k.device):
+                _, new_w, new_m = lact_chunk(w, None, k[..., c, :], v[..., c, :], tuple(r[..., c] for r in lr), norms,
+                                             None if mu is None else mu[..., c], m, muon)
+            state = {**state, **new_w, **(new_m or {})}
+        if "pos" in state:
+            state["pos"] = state["pos"] + n
+        self.load_state(state)
+
+    def read_keys(self, k: Tensor) -> Tensor:
+        """f(k; W) = W1 (silu(W0 k) ⊙ (W2 k)) per head [B, n, H, d] (the read before its norm and scale);
+        the state unchanged."""
+        state = self._fast(self.state)
+        with state_precision(k.device):
+            return swiglu_fast(k.to(self._state_dtype()).transpose(1, 2), state).transpose(1, 2)
+
     # ---- diagnostics -----------------------------------------------------------------------
     @torch.no_grad()
     def stats(self) -> dict:

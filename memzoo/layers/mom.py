@@ -314,9 +314,13 @@ class MoM(MemoryLayer):
         return self._output(self.read_heads(x, state), x)
 
     # ---- write (Eq. 5-7, 11-12) and the parallel causal forward -------------------------------
-    def _run(self, x: Tensor, state: State, with_output: bool) -> tuple[Tensor | None, State]:
+    def _run(self, x: Tensor, state: State, with_output: bool, pair: tuple[Tensor, Tensor] | None = None,
+             capture: dict | None = None) -> tuple[Tensor | None, State]:
         """Write every token of x to its routed memories (and the shared one), in order; with
-        `with_output`, also the inclusive read of every position, o [B, T, H, V]."""
+        `with_output`, also the inclusive read of every position, o [B, T, H, V]. The pairs adapter's
+        hooks (see `write_pairs`): `pair` (k [B, T, H, K], v [B, T, H, V]) written in place of the shared
+        memory's own (k, v), or without a shared memory of each token's first-choice memory's; `capture`
+        receives the first-choice memory's k, v in time order (without a shared memory)."""
         B, T, D = x.shape
         M, H, c, dt = self.num_memories, self.num_heads, self.conv_size, self._cdtype()
         _, weights, routed = self.route(x)
@@ -341,6 +345,16 @@ class MoM(MemoryLayer):
         kp, vp, b, a = proj.split([self.key_dim, self.value_dim, H, H], dim=-1)
         ck, cv = state.get("conv_k"), state.get("conv_v")
         k, v = self._kv(kp, vp, ck, cv)
+        if not self.shared_memory and (pair is not None or capture is not None):
+            first = weights.argmax(-1)  # [B, T] each token's first-choice memory (top-1)
+            mine = (first.gather(1, pos.flatten(1)).view(B, M, L) == torch.arange(M, device=x.device)[:, None]) & valid
+            mine = mine[..., None, None]
+            if capture is not None:  # scattered back to time order: each token's only slot left unmasked
+                for name, u in (("k", k), ("v", v)):
+                    capture[name] = u.new_zeros(B * T, *u.shape[3:]).index_add(
+                        0, rows, u.where(mine, 0).flatten(0, 2)).view(B, T, *u.shape[3:])
+            if pair is not None:
+                k, v = gather(pair[0].to(dt)).where(mine, k), gather(pair[1].to(dt)).where(mine, v)
         # padding: k = v = β = log α = 0 leaves a state unchanged (selected with where: padded
         # slots hold other positions' tokens, and 0 × NaN = NaN; see the module docstring)
         vm = valid[..., None]
@@ -369,6 +383,8 @@ class MoM(MemoryLayer):
             vp = self.shared_v(x).to(dt)
             cks, cvs = state.get("conv_k_shared"), state.get("conv_v_shared")
             k, v = self._kv(kp, vp, cks, cvs)
+            if pair is not None:
+                k, v = pair[0].to(dt), pair[1].to(dt)
             beta = torch.sigmoid(self.shared_b(x).to(dt))
             g = self._decay(self.shared_a(x).to(dt))
             if c > 1:
@@ -393,6 +409,65 @@ class MoM(MemoryLayer):
         """Inclusive causal mixing: per token, write to the routed memories, then read the mixture."""
         o, new = self._run(x, state, with_output=True)
         return self._output(o, x), new
+
+    # ---- the pairs adapter (bench/suites/pairs.py) -------------------------------------------------
+    #: neutral (no x): pair i goes to memory i mod M alone (routing weight 1, as a top-1 router gives),
+    #: β = 1, no decay, and the shared memory is not written (the layer adds its read at weight 1 to a
+    #: routed mixture of weight 1: written too, a read would return 2v): M delta-rule memories side by side
+    no_pairs = None
+
+    def pair_dims(self) -> tuple[int, int, int]:
+        return self.num_heads, self.head_dim, self.head_v_dim
+
+    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """One (k, v) a token, as `write(x)` from a reset state computes them: the shared memory's (each
+        routed memory has keys of its own, so no one pair is what a token writes everywhere); without a
+        shared memory, the token's first-choice memory's (along that memory's routed subsequence)."""
+        st, dt = self.init_state(x.shape[0]), self._cdtype()
+        if self.shared_memory:
+            return self._kv(self.shared_k(x).to(dt), self.shared_v(x).to(dt), st.get("conv_k_shared"),
+                            st.get("conv_v_shared"))
+        capture: dict = {}
+        self._run(x, st, with_output=False, capture=capture)
+        return capture["k"], capture["v"]
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """Write the pairs with the gated delta rule (`_run`'s op). With x: `write(x)` itself (the router,
+        every memory's β and decay, the routed memories' own keys and values, the convolution histories),
+        with the pair in place of the shared memory's (k, v), or without a shared memory of each token's
+        first-choice memory's: ``write_pairs(*pair_inputs(x), x)`` is ``write(x)``. Without x: the neutral
+        routing above (pair i to memory i mod M), β = 1, no decay: on each memory's pairs the delta rule of
+        Yang et al. 2024 (arXiv 2406.06484, Eq. 1-2)."""
+        state = self.state
+        if x is not None:
+            self.load_state(self._run(x, state, with_output=False, pair=(k, v))[1])
+            return
+        S, M = state["S"], self.num_memories
+        B, n, H, K = k.shape
+        L = -(-n // M)
+        def per_memory(u: Tensor) -> Tensor:  # [B, M·L, ...] as [B·M, L, ...]: memory m holds pairs m, m + M, ...
+            u = F.pad(u.to(S.dtype), (0, 0, 0, 0, 0, L * M - n))
+            return u.view(B, L, M, *u.shape[2:]).transpose(1, 2).flatten(0, 1)
+
+        km, vm = per_memory(k), per_memory(v)
+        valid = (torch.arange(L * M, device=k.device) < n).view(L, M).T  # [M, L]; padding: k = v = β = 0
+        beta = valid[None, :, :, None].to(S.dtype).expand(B, M, L, H).flatten(0, 1)
+        _, S = gated_delta_rule(km, km, vm, torch.zeros_like(beta), beta, scale=self.scale,
+                                initial_state=S.flatten(0, 1), output_final_state=True, chunk_size=self.parallel_chunk)
+        self.load_state({**state, "S": S.unflatten(0, (B, M)).to(state["S"].dtype)})
+
+    def read_keys(self, k: Tensor) -> Tensor:
+        """The layer's read (without its query scale) of key i under the neutral routing: memory i mod M at
+        weight 1, plus the shared memory's read at weight 1 (Eq. 13): S^{i mod M}ᵀ k_i + S^sᵀ k_i."""
+        state = self.state
+        S, M = state["S"], self.num_memories
+        B, n = k.shape[:2]
+        L = -(-n // M)
+        kp = F.pad(k.to(S.dtype), (0, 0, 0, 0, 0, L * M - n)).view(B, L, M, *k.shape[2:])
+        o = torch.einsum("blmhk,bmhkv->blmhv", kp, S).flatten(1, 2)[:, :n]
+        if self.shared_memory:
+            o = o + torch.einsum("bnhk,bhkv->bnhv", k.to(S.dtype), state["S_shared"])
+        return o
 
     # ---- the shell: forward also sets the load-balancing loss -----------------------------------
     def load_balancing_loss(self, x: Tensor) -> Tensor:

@@ -136,6 +136,9 @@ class PKM(MemoryLayer):
     bench_cost = 1.3
     #: a token reads k rows of the values: Table 2's FLOPs leave them out (memzoo.flops)
     sparse_params = ("values",)
+    #: no pairs adapter: the value table is a slow parameter (module docstring: ``write`` is a no-op)
+    no_pairs = ("its memory is slow weights: write stores nothing per sequence; its capacity is that of its "
+                "trained value table, probed by training, not by writes")
 
     def __init__(
         self,

@@ -143,6 +143,29 @@ class RWKV7(DeltaRuleMemory):
                                initial_state=state["S"], output_final_state=True, chunk_size=self.parallel_chunk)
         return (None if q is None else o), {"S": S}
 
+    # ---- the pairs adapter: the pair is what the write stores, v along the replacement key k̃
+    no_pairs = None
+
+    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The replacement keys k̃ [B, T, H, K] and values v [B, T, H, V] `write(x)` stores (as k̃ vᵀ)."""
+        w = self.keys(x)
+        return w["k"], w["v"]
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """S ← Diag(w) S − (a ⊙ κ̂)(κ̂ᵀ S) + k vᵀ a pair at a time, by `scan` itself (the DPLR delta rule), with
+        the pair as (k̃, v). With x: the decay w, removal key κ̂ and rate a the layer computes from x (the
+        removal key is not k̃: ``write_pairs(*pair_inputs(x), x)`` is ``write(x)``). Without: no decay (w = 1),
+        removal key κ̂ = k at rate a = 1 (the DPLR op's a = k, b = −k): S ← (I − k kᵀ) S + k vᵀ, the delta
+        rule at β = 1 (Yang et al. 2024, arXiv 2406.06484, Eq. 1-2)."""
+        S = self.state["S"]
+        k, v = k.to(S.dtype), v.to(S.dtype)
+        if x is None:
+            w = {"gk": torch.zeros_like(k), "kk": k, "akk": k}
+        else:
+            w = {n: t.to(S.dtype) for n, t in self.keys(x).items() if n in ("gk", "kk", "akk")}
+        _, new = self.scan(x, self.state, None, {**w, "k": k, "v": v})
+        self.load_state({**self.state, **new})
+
     def output(self, o: Tensor, x: Tensor, w: dict | None = None) -> Tensor:
         """y = W_o ((GroupNorm(o) + (r · (ρ ⊙ k̃)) v) ⊙ g)."""
         w = self.keys(x) if w is None else w

@@ -156,22 +156,72 @@ class Titans(MemoryLayer):
         return self.o_proj(o.transpose(1, 2).flatten(-2).to(x.dtype))
 
     # ---- write (Eq. 12-14, chunked as Eq. 16-18) ----------------------------------------------------
+    def _keys_values(self, x: Tensor, state: State, new: State) -> tuple[Tensor, Tensor]:
+        """k_t = L2(silu(conv(W_K x_t))), v_t = silu(conv(W_V x_t)): [B, H, T, d]; the convolutions'
+        new histories go into `new`."""
+        sd = self._sdtype()
+        k = F.normalize(self._heads(self._conv("k", self.k_proj(x).to(sd), state, new)), dim=-1)
+        v = self._heads(self._conv("v", self.v_proj(x).to(sd), state, new))
+        return k, v
+
+    def _gates(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """θ_t = max_lr σ(·) / d, η_t = σ(·), α_t = σ(·): each [B, H, T]."""
+        gates = torch.sigmoid(self.gates(x).to(self._sdtype())).unflatten(-1, (3, self.num_heads)).permute(2, 0, 3, 1)
+        return self.max_lr * gates[0] / self.head_dim, gates[1], gates[2]
+
+    def _write(self, k: Tensor, v: Tensor, theta: Tensor, eta: Tensor, alpha: Tensor, state: State) -> State:
+        """M and S after writing k, v [B, H, T, d] chunk by chunk (:func:`write_chunk`)."""
+        M, S = {n: state[n] for n in FAST}, {n: state[f"S{n}"] for n in FAST}
+        C = self.chunk_size
+        with state_precision(k.device):
+            for s in range(0, k.shape[-2], C):
+                c = slice(s, s + C)
+                M, S = write_chunk(k[..., c, :], v[..., c, :], theta[..., c], eta[..., c], alpha[..., c], M, S)
+        return {**M, **{f"S{n}": S[n] for n in FAST}}
+
     def write_state(self, x: Tensor, state: State) -> State:
         """Write x chunk by chunk: each chunk's gradients at the memory it found, then the momentum
         and the forgetting token by token."""
-        sd = self._sdtype()
         new: State = {}
-        k = F.normalize(self._heads(self._conv("k", self.k_proj(x).to(sd), state, new)), dim=-1)
-        v = self._heads(self._conv("v", self.v_proj(x).to(sd), state, new))
-        gates = torch.sigmoid(self.gates(x).to(sd)).unflatten(-1, (3, self.num_heads)).permute(2, 0, 3, 1)
-        theta, eta, alpha = self.max_lr * gates[0] / self.head_dim, gates[1], gates[2]  # [B, H, T]
-        M, S = {n: state[n] for n in FAST}, {n: state[f"S{n}"] for n in FAST}
-        C = self.chunk_size
-        with state_precision(x.device):
-            for s in range(0, x.shape[1], C):
-                c = slice(s, s + C)
-                M, S = write_chunk(k[..., c, :], v[..., c, :], theta[..., c], eta[..., c], alpha[..., c], M, S)
-        return {**new, **M, **{f"S{n}": S[n] for n in FAST}}
+        k, v = self._keys_values(x, state, new)
+        return {**new, **self._write(k, v, *self._gates(x), state)}
+
+    # ---- the pairs adapter (bench/suites/pairs.py): write_chunk on given k, v ------------------------
+    # A pair is (k, v) as _keys_values gives them (k unit per head); the loss ‖M(k) − v‖² (Eq. 12).
+    # Neutral (x None):
+    #   θ   the ceiling of the layer's θ_t, max_lr / d (σ = 1; the 1/d is the layer's, module docstring)
+    #   η   0: no momentum (S_t = −θ ∇ℓ, the surprise of the token alone)
+    #   α   0: no forgetting (M_t = M_{t−1} + S_t)
+    #   chunks of the layer's chunk_size, gradients at the chunk's start (Eq. 16-18)
+    # With x: the layer's data-dependent θ_t, η_t, α_t (_gates(x)). The convolutions' histories are not
+    # touched: a pair does not pass through them.
+    no_pairs = None
+
+    def pair_dims(self) -> tuple[int, int, int]:
+        return self.num_heads, self.head_dim, self.head_dim
+
+    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """k_t, v_t [B, T, H, d] as write(x) computes them from a reset state (empty convolution histories)."""
+        k, v = self._keys_values(x, self.init_state(x.shape[0]), {})
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """S_t = η_t S_{t−1} − θ_t ∇ℓ(M_{t'}; k_t, v_t), M_t = (1 − α_t) M_{t−1} + S_t, a pair a token in the
+        layer's chunks (:func:`write_chunk`); θ, η, α from x, else max_lr / d, 0, 0."""
+        state, sd = self.state, self._sdtype()
+        k, v = (t.to(sd).transpose(1, 2) for t in (k, v))  # [B, H, n, d]
+        if x is not None:
+            theta, eta, alpha = self._gates(x)
+        else:
+            theta, eta = k.new_full(k.shape[:3], self.max_lr / self.head_dim), k.new_zeros(k.shape[:3])
+            alpha = eta
+        self.load_state({**state, **self._write(k, v, theta, eta, alpha, state)})
+
+    def read_keys(self, k: Tensor) -> Tensor:
+        """M(k) = silu(k W1) W2 per head [B, n, H, d] (the read before its norm and gate); the state unchanged."""
+        state = self.state
+        with state_precision(k.device):
+            return memory_read(k.to(self._sdtype()).transpose(1, 2), {n: state[n] for n in FAST}).transpose(1, 2)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

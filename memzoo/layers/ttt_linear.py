@@ -167,16 +167,20 @@ class TTTLinear(MemoryLayer):
         return self.ln_weight.to(sd), self.ln_bias.to(sd)
 
     # ---- the MemoryLayer verbs -------------------------------------------------------------------
-    def read_state(self, x: Tensor, state: State) -> Tensor:
-        """z = f(q; W_0 − c_pos G) with the weights the last token written reads; x is not written."""
+    def _inner(self, u: Tensor, state: State) -> Tensor:
+        """f(u; W) = u + LN(f_res(u; W)) for u [B, H, T, d], W = W_0 − c_pos G: the weights the last
+        token written reads."""
         fast, acc, pos = self._split(state)
-        q, _, _ = self._views(x)
-        with state_precision(x.device):
-            c = self.position_factor().to(q.dtype)[pos - 1] if pos > 0 else 0.0
+        with state_precision(u.device):
+            c = self.position_factor().to(u.dtype)[pos - 1] if pos > 0 else 0.0
             w = effective(fast, acc, c)
             ln_w, ln_b = self._ln()
-            z = q + layer_norm(f_res(q, w, self.act), ln_w, ln_b, self.eps)[0]
-        return self._output(z, x)
+            return u + layer_norm(f_res(u, w, self.act), ln_w, ln_b, self.eps)[0]
+
+    def read_state(self, x: Tensor, state: State) -> Tensor:
+        """z = f(q; W_0 − c_pos G) with the weights the last token written reads; x is not written."""
+        q, _, _ = self._views(x)
+        return self._output(self._inner(q, state), x)
 
     def _scan(self, x: Tensor, state: State) -> tuple[Tensor, State]:
         fast, acc, pos = self._split(state)
@@ -194,6 +198,45 @@ class TTTLinear(MemoryLayer):
     def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
         z, new = self._scan(x, state)
         return self._output(z, x), new
+
+    # ---- the pairs adapter (bench/suites/pairs.py): the layer's mini-batch GD (ttt_scan) on given k, v ----
+    # A pair is (k, v) as the views give them (no normalisation of k); the loss is the layer's own,
+    # ½‖LN(f_res(k; W)) − (v − k)‖², so the read f(k; W) = k + LN(f_res(k; W)) is what is trained toward v.
+    # Neutral (x None):
+    #   inner lr   lr_s = base_lr · σ(·) / d with the gate at its maximum, σ = 1: base_lr / d for every pair
+    #   c_i        the layer's own position factor max(0, 1/(i+1) + ε_i) (a slow weight, not computed from x)
+    #   batching   mini-batches of the layer's mini_batch_size, continuing the one the state is in
+    #   inner LN   as the layer applies it (its learned γ, β, eps), inside the loss and the read
+    # With x: lr_s = base_lr · σ(θ_lr x_s + b_lr) / d, the layer's inner_lr(x).
+    no_pairs: ClassVar[str | None] = None
+
+    def pair_dims(self) -> tuple[int, int, int]:
+        return self.num_heads, self.head_dim, self.head_dim
+
+    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The views k_t = θ_K x_t and v_t = θ_V x_t, [B, T, H, d] (the loss's target is v_t − k_t)."""
+        _, k, v = self._views(x)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
+        """Mini-batch GD on ½‖LN(f_res(k; W)) − (v − k)‖² a pair a token (:func:`memzoo.ops.ttt.ttt_scan`,
+        the layer's op), lr from x or base_lr / d (the neutral settings above)."""
+        state = self.state
+        fast, acc, pos = self._split(state)
+        sd = self._sdtype()
+        k, v = (t.to(sd).transpose(1, 2) for t in (k, v))  # [B, H, n, d]
+        with state_precision(k.device):
+            lr = self.inner_lr(x.to(sd)) if x is not None else k.new_full(k.shape[:3], self.base_lr / self.head_dim)
+            ln_w, ln_b = self._ln()
+            # the queries are the keys: ttt_scan's outputs are not used, only the weights it leaves
+            _, fast, acc, pos = ttt_scan(k, k, v, lr, self.position_factor().to(sd), fast, acc, pos, ln_w, ln_b,
+                                         eps=self.eps, act=self.act)
+        self.load_state(self._join(fast, acc, pos, state["pos"]))
+
+    def read_keys(self, k: Tensor) -> Tensor:
+        """f(k; W) = k + LN(f_res(k; W)) per head [B, n, H, d], W the weights the last pair written reads
+        (W_0 − c_pos G, as `read`): the inner model's reconstruction of v at k; the state unchanged."""
+        return self._inner(k.to(self._sdtype()).transpose(1, 2), self.state).transpose(1, 2)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

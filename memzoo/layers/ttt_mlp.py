@@ -8,6 +8,9 @@ learnable inner learning rate, the output, the departures from the release), wit
 smaller base learning rate (0.1). The dual form runs layer by layer (:mod:`memzoo.ops.ttt`): the
 second layer's with the query's hidden state under its own updated first layer, dotted with the
 keys' hidden states under W_0.
+
+The pairs adapter is TTT-Linear's (the same loss, op and neutral settings: lr = base_lr / d, here
+0.1 / d); read_keys returns k + LN(GELU(k W1 + b1) W2 + b2), the inner MLP's reconstruction of v.
 """
 
 from __future__ import annotations

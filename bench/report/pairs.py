@@ -1,0 +1,142 @@
+"""The pairs suite's report: its rows -> tables, figures and the reading note."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memzoo.bench.common import logit_ci
+from memzoo.bench.report import layer_order, save_png, with_family
+
+NAME = "pairs"
+
+NOTE = """Each row is a write rule at one state size, driven by explicit pairs with the layer's own op (no
+training): n key-value pairs written from a reset state and read back at their keys, over several
+independent draws of keys and values. *held at 0.9*: the largest n of the grid whose pairs were
+recalled at 0.9 or better (the nearest stored value by cosine is the right one), the draws' mean with
+its 95% interval (t over the draws); "≥ N" where the largest n tried was still held (the grid, not the
+rule, stopped it). *per 1k state*: that over the state numbers a sequence carries (as the recall tables
+count them). *gates*: neutral (β = 1, no decay, the paper's inner lr: each adapter's docstring) or the
+values the layer's initialisation gives a random input. *keys*: random unit keys per head, or
+correlated ones (pairwise cosine about 0.5). A layer without an adapter is not a row: its `no_pairs`
+says why (docs/suites/pairs.md)."""
+
+
+def _held(g) -> str:
+    import statistics
+
+    held = [h for hs in g["metrics.held"] for h in hs]
+    top = int(g["metrics.grid_top"].iloc[0])
+    if len(held) < 2:
+        return f"{held[0]}"
+    m = statistics.fmean(held)
+    sd = statistics.stdev(held)
+    half = 2.776 * sd / len(held) ** 0.5 if len(held) == 5 else 1.96 * sd / len(held) ** 0.5
+    lo, hi = max(0.0, m - half), m + half
+    return (f"≥ {top}" if all(h >= top for h in held) else f"{m:.1f} [{lo:.1f}, {hi:.1f}]")
+
+
+def tables(df) -> dict:
+    """One table per key condition and gate setting: per layer and size, its state, the pairs held at
+    0.9 and per 1k state numbers, the accuracy at n = the key size and at the grid's top."""
+    import pandas as pd
+
+    out = {}
+    for (cond, gates), d in df.groupby(["setting.condition", "setting.gates"], sort=True):
+        recs = []
+        for layer in layer_order(d["layer"]):
+            for size, g in d[d["layer"] == layer].groupby("setting.size", sort=False):
+                m = g.iloc[0]
+                H, K, V = m["metrics.pair_dims"]
+                key = str(max(n for n in m["metrics.ns"] if n <= H * K))
+                acc = lambda n: sum(m[f"metrics.acc_by_n.{n}"]) / len(m[f"metrics.acc_by_n.{n}"])  # noqa: E731
+                recs.append({"layer": layer, "size": size, "state": int(m["metrics.mem_state"]),
+                             "key size (H×K)": H * K, f"held at {m['metrics.held_at']:g}": _held(g),
+                             "per 1k state": "" if m["metrics.held_per_1k_state"] is None else f"{m['metrics.held_per_1k_state']:.2f}",
+                             f"accuracy at n = H×K": f"{acc(key):.3f}",
+                             "accuracy at the grid's top": f"{acc(m['metrics.grid_top']):.3f} (n = {m['metrics.grid_top']})"})
+        t = pd.DataFrame(recs)
+        t = t.sort_values(["layer", "state"], key=lambda c: c.map({n: i for i, n in enumerate(layer_order(t["layer"]))})
+                          if c.name == "layer" else c, kind="stable")
+        out[f"Pairs held without training: {cond} keys, {gates} gates"] = with_family(t.reset_index(drop=True))
+    return out
+
+
+def figures(df, out_dir: Path) -> list[Path]:
+    """pairs_held.png: pairs held at 0.9 against state numbers (log-log), a line per layer through its
+    sizes, a panel per family; random keys, neutral gates and init gates (two rows).
+    pairs_recall.png: recall accuracy against n at each layer's bench size (random keys, neutral gates)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from memzoo.registry import family_of
+
+    from .toys import _palette
+
+    d = df[df["setting.condition"] == "random"]
+    if d.empty:
+        return []
+    fams = sorted({family_of(n) or "other" for n in d["layer"]})
+    gates = [g for g in ("neutral", "init") if g in set(d["setting.gates"])]
+    fig, axes = plt.subplots(len(gates), len(fams), figsize=(3.6 * len(fams) + 1, 3.2 * len(gates)), squeeze=False,
+                             sharex=True, sharey=True)
+    for i, gate in enumerate(gates):
+        for j, fam in enumerate(fams):
+            ax = axes[i][j]
+            layers = [n for n in layer_order(d["layer"]) if (family_of(n) or "other") == fam]
+            pal = _palette(layers)
+            for n in layers:
+                g = d[(d["layer"] == n) & (d["setting.gates"] == gate)].sort_values("metrics.mem_state")
+                xs = list(g["metrics.mem_state"])
+                ys = [max(sum(h) / len(h), 0.5) for h in g["metrics.held"]]  # 0 held: drawn at 0.5 on the log axis
+                ax.plot(xs, ys, marker="o", color=pal[n], label=n, lw=1.2)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            if i == 0:
+                ax.set_title(fam, fontsize=9)
+            if i == len(gates) - 1:
+                ax.set_xlabel("state numbers per sequence (log)")
+            if j == 0:
+                ax.set_ylabel(f"pairs held at 0.9 ({gate} gates)")
+            ax.legend(fontsize=6)
+    fig.suptitle("Pairs a write rule holds without training, against its state (random keys)", fontsize=9)
+    fig.tight_layout()
+    paths = [save_png(fig, Path(out_dir) / "pairs_held.png")]
+
+    top = d[(d["setting.top"] == True) & (d["setting.gates"] == "neutral")]  # noqa: E712
+    if not top.empty:
+        fig, axes = plt.subplots(1, len(fams), figsize=(3.6 * len(fams) + 1, 3.2), squeeze=False, sharey=True)
+        for j, fam in enumerate(fams):
+            ax = axes[0][j]
+            layers = [n for n in layer_order(top["layer"]) if (family_of(n) or "other") == fam]
+            pal = _palette(layers)
+            for n in layers:
+                m = top[top["layer"] == n].iloc[0]
+                ns = m["metrics.ns"]
+                stats = [logit_ci(m[f"metrics.acc_by_n.{k}"]) for k in ns]
+                ax.errorbar(ns, [s[0] for s in stats], yerr=[[s[0] - s[1] for s in stats], [s[2] - s[0] for s in stats]],
+                            color=pal[n], label=n, lw=1.2, capsize=2)
+            ax.axhline(0.9, color="grey", lw=0.6, ls=":")
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(0, 1.02)
+            ax.set_title(fam, fontsize=9)
+            ax.set_xlabel("pairs written (n, log)")
+            ax.legend(fontsize=6)
+        axes[0][0].set_ylabel("recall accuracy (neutral gates)")
+        fig.tight_layout()
+        paths.append(save_png(fig, Path(out_dir) / "pairs_recall.png"))
+    return paths
+
+
+def headline(sec) -> dict:
+    """The overview's cell: per layer at its bench size (random keys, neutral gates), the pairs held at
+    0.9 per 1k state numbers, beside the trained recall columns."""
+    cells = {}
+    for r in sec.rows:
+        st = r["setting"]
+        if st.get("top") and st.get("condition") == "random" and st.get("gates") == "neutral":
+            v = r["metrics"].get("held_per_1k_state")
+            cells[r["layer"]] = ((r["time"],), "" if v is None else f"{v:.2f} ({r['metrics']['held_mean']:.1f} of "
+                                                                      f"{r['metrics']['mem_state']:,} numbers)")
+    return {"pairs: held at 0.9 per 1k state (no training)": cells}
