@@ -181,3 +181,90 @@ def test_titans_surprise_is_the_gradient_of_its_loss():
         loss = (F.silu(k[..., t:t + 1, :] @ M["W1"]) @ M["W2"] - v[..., t:t + 1, :]).pow(2).sum()
         for n, g in zip(M, torch.autograd.grad(loss, list(M.values()))):
             torch.testing.assert_close(u[n][..., t, :, :], g, rtol=0, atol=1e-12)
+
+
+# ---- Titans' closed-form chunk write against the token loop it replaced ---------------------------------
+def titans_write_chunk_loop(k, v, theta, eta, alpha, M, S):
+    """The reference: the gradients u_t at the chunk's start (`surprise`, checked against autograd above),
+    then S_t = η_t S_{t−1} − θ_t u_t and M_t = (1 − α_t) M_{t−1} + S_t token by token (Eq. 13)."""
+    from memzoo.layers.titans import FAST, surprise
+
+    u = surprise(k, v, M)
+    for t in range(k.shape[-2]):
+        g = lambda a: a[..., t, None, None]  # noqa: E731  [B, H, 1, 1]
+        S = {n: g(eta) * S[n] - g(theta) * u[n][..., t, :, :] for n in FAST}
+        M = {n: (1 - g(alpha)) * M[n] + S[n] for n in FAST}
+    return M, S
+
+
+def _chunk_inputs(L, seed, hid=12):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen, dtype=F64)).requires_grad_()  # noqa: E731
+    k, v = F.normalize(r(B, H, L, d), dim=-1).detach().requires_grad_(), r(B, H, L, d)
+    u = lambda: torch.rand(B, H, L, generator=gen, dtype=F64)  # noqa: E731
+    theta, eta, alpha = 0.3 * u(), u(), u()
+    # gates exactly 0 and exactly 1 (a head's first token, a run in the middle, the last token)
+    eta[0, 0, 0], eta[0, 1, L // 2], eta[1, 0, -1], alpha[1, 1, L // 2], alpha[0, 0, -1] = 0, 0, 1, 0, 1
+    alpha[0, 1, 0], eta[1, 1, : (L + 1) // 2], alpha[1, 0, : (L + 1) // 2] = 1, 1, 0
+    theta[1, 1, -1] = 0
+    theta, eta, alpha = (g.requires_grad_() for g in (theta, eta, alpha))
+    M = {"W1": r(B, H, d, hid, scale=0.3), "W2": r(B, H, hid, d, scale=0.3)}
+    S = {"W1": r(B, H, d, hid, scale=0.05), "W2": r(B, H, hid, d, scale=0.05)}
+    return [k, v, theta, eta, alpha], M, S
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 4, 7, 16])
+def test_titans_closed_form_chunk_equals_the_token_loop(L):
+    """write_chunk (cumulative decay products, one matmul per weight) = the loop of Eq. 13, in fp64 to
+    1e-12, gates exactly 0 and 1 included; and so do the gradients w.r.t. every input (gates, k, v, M_0, S_0)."""
+    from memzoo.layers.titans import write_chunk
+
+    ins, M, S = _chunk_inputs(L, seed=L)
+    got, ref = write_chunk(*ins, M, S), titans_write_chunk_loop(*ins, M, S)
+    outs = [*got[0].values(), *got[1].values()]
+    refs = [*ref[0].values(), *ref[1].values()]
+    for a, b_ in zip(outs, refs):
+        torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
+    leaves = [*ins, *M.values(), *S.values()]
+    gen = torch.Generator().manual_seed(3)
+    proj = [torch.randn(o.shape, generator=gen, dtype=F64) for o in outs]
+    ga = torch.autograd.grad(sum((o * p).sum() for o, p in zip(outs, proj)), leaves)
+    gb = torch.autograd.grad(sum((o * p).sum() for o, p in zip(refs, proj)), leaves)
+    for i, (x, y) in enumerate(zip(ga, gb)):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-11, msg=lambda m: f"gradient of input {i}: {m}")
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 5, 16])
+def test_titans_layer_equals_its_token_loop_path(chunk_size, monkeypatch):
+    """The layer (forward of 14 tokens: a partial last chunk but for chunk 1) with the closed form, and
+    with write_chunk swapped for the token loop: outputs, state and the slow weights' gradients to 1e-12;
+    and write_pairs at its neutral gates (η = α = 0 exactly) and at data-dependent ones."""
+    import memzoo.layers.titans as titans
+
+    def run(loop: bool):
+        if loop:
+            monkeypatch.setattr(titans, "write_chunk", titans_write_chunk_loop)
+        else:
+            monkeypatch.setattr(titans, "write_chunk", write_chunk)
+        layer = tiny_layer("titans", noise=0.05, chunk_size=chunk_size)
+        x = rand_x(2, 14)
+        layer.reset(2)
+        y = layer(x)
+        st = {n: layer.state[n] for n in ("W1", "W2", "SW1", "SW2")}
+        loss = (y * torch.linspace(-1, 1, y.numel(), dtype=F64).view_as(y)).sum() + sum(
+            (w * w).sum() for w in st.values())
+        grads = torch.autograd.grad(loss, list(layer.parameters()))
+        pairs = []
+        for xx in (None, x):
+            layer.reset(2)
+            k, v = layer.pair_inputs(x)
+            layer.write_pairs(k, v, xx)
+            pairs.append(layer.read_keys(k))
+        return [y, *st.values(), *pairs], grads
+
+    write_chunk = titans.write_chunk
+    (outs, grads), (routs, rgrads) = run(False), run(True)
+    for a, b_ in zip(outs, routs):
+        torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
+    for a, b_ in zip(grads, rgrads):
+        torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)

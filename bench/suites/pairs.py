@@ -45,7 +45,7 @@ def _sizes() -> dict:
                               "ttt_linear", "ttt_mlp", "titans")}
     out["lact"] = [{}] + [{"inter_multi": m} for m in (0.0625, 0.25, 2.0)] + [{"num_heads": 1, "inter_multi": 2.0}]
     out["fwmlp"] = [{}] + [{"intermediate_dim": h} for h in (4, 16, 64)]
-    out["fwpkm"] = [{}] + [{"n_subkeys": n} for n in (8, 16, 32)]
+    out["fwpkm"] = [{}] + [{"n_subkeys": n} for n in (8, 16, 32, 128)]
     out["linear"] = [{}] + [{"num_heads": 2, "head_dim": d} for d in (2, 4, 8, 32)]  # bench options: 4 heads of 16
     return out
 

@@ -23,7 +23,8 @@ a step by up to 1/(1 − η) = 10, against a curvature of 2‖silu(k W1)‖², ~
 
 The parallel form the paper trains with (Sec. 3.2, Eq. 16-18): the sequence is cut into chunks of b
 tokens and every gradient of a chunk is taken at the weights M_{t'} the chunk started from; the
-momentum and the forgetting still run token by token inside the chunk. A chunk is read with the
+momentum and the forgetting are then two first-order linear recurrences with scalar gates, computed
+for the whole chunk at once in their closed form (:func:`write_chunk`). A chunk is read with the
 memory as it was before the chunk (the MAC's M_{t−1} of the previous segment, Eq. 21; the memory is
 "read without update"), then written: a chunk-level read-then-write layer, exact when a sequence is
 split on chunk boundaries. The state is M (W1, W2) and the momentum S of both, per sequence, and the
@@ -58,15 +59,47 @@ def surprise(k: Tensor, v: Tensor, M: dict) -> dict:
     return {"W1": k[..., :, None] * dz1[..., None, :], "W2": h[..., :, None] * dy[..., None, :]}
 
 
+def decay_products(g: Tensor) -> Tensor:
+    """P[..., t, j] = ∏_{j<i≤t} g_i for j ≤ t (1 on the diagonal), 0 above it: g [..., L] -> [..., L, L].
+
+    A cumprod along i of the [L, L] gates masked to 1 where i ≤ j: no division, no logarithm, so a gate
+    exactly 0 or 1 is exact (and so is its gradient: cumprod's backward handles zeros)."""
+    L = g.shape[-1]
+    i = torch.arange(L, device=g.device)
+    after = i[None, :] > i[:, None]  # [j, i]: i > j
+    P = torch.where(after, g[..., None, :], torch.ones((), dtype=g.dtype, device=g.device)).cumprod(-1)  # [.., j, t]
+    return P.transpose(-1, -2).masked_fill(after, 0)  # [.., t, j]; above the diagonal (j > t): 0
+
+
 def write_chunk(k: Tensor, v: Tensor, theta: Tensor, eta: Tensor, alpha: Tensor, M: dict, S: dict) -> tuple[dict, dict]:
-    """One chunk of L tokens (gates [B, H, L]): the gradients at M (the chunk's start), then
-    S_t = η_t S_{t−1} − θ_t u_t and M_t = (1 − α_t) M_{t−1} + S_t token by token. Returns (M, S) at its end."""
-    u = surprise(k, v, M)
-    for t in range(k.shape[-2]):
-        g = lambda a: a[..., t, None, None]  # noqa: E731  [B, H, 1, 1]
-        S = {n: g(eta) * S[n] - g(theta) * u[n][..., t, :, :] for n in FAST}
-        M = {n: (1 - g(alpha)) * M[n] + S[n] for n in FAST}
-    return M, S
+    """One chunk of L tokens (gates [B, H, L]): the gradients u_t at M (the chunk's start M_0, S_0), then
+    S_t = η_t S_{t−1} − θ_t u_t and M_t = (1 − α_t) M_{t−1} + S_t, t = 1..L. Returns (M_L, S_L).
+
+    Both recurrences have scalar coefficients: with a_{tj} = ∏_{j<i≤t} η_i (:func:`decay_products`),
+    A_t = ∏_{i≤t} η_i, f_t = ∏_{t<i≤L} (1 − α_i) and F = ∏_{i≤L} (1 − α_i),
+
+        S_t = A_t S_0 − Σ_{j≤t} a_{tj} θ_j u_j
+        S_L = A_L S_0 − Σ_j θ_j a_{Lj} u_j
+        M_L = F M_0 + Σ_t f_t S_t = F M_0 + (Σ_t f_t A_t) S_0 − Σ_j θ_j (Σ_{t≥j} f_t a_{tj}) u_j
+
+    and, u_j being an outer product (k_j ⊗ ∂ℓ_j/∂z1 for W1, h_j ⊗ ∂ℓ_j/∂y for W2), each Σ_j w_j u_j is
+    one matmul, kᵀ (w ⊙ ∂ℓ/∂z1): no per-token gradient is formed. The token loop is the tests' reference."""
+    y, z1, h = mlp_forward(k, M["W1"], None, M["W2"], None, "silu")
+    dy = 2 * (y - v)
+    dz1 = mlp_backward(dy, z1, M["W2"], "silu")
+    a = decay_products(eta)  # [.., t, j]
+    f = decay_products(1 - alpha)[..., -1, :]  # [.., t]: ∏_{t<i≤L} (1 − α_i)
+    A = eta[..., :1] * a[..., :, 0]  # [.., t]: ∏_{i≤t} η_i
+    sc = lambda c: c[..., None, None]  # noqa: E731  [..] -> [.., 1, 1]
+    cS, cM, cF = sc(A[..., -1]), sc((f * A).sum(-1)), sc((1 - alpha[..., 0]) * f[..., 0])  # A_L, Σ f_t A_t, F
+    wS = (theta * a[..., -1, :]).unsqueeze(-1)  # [.., j, 1]: θ_j a_{Lj}
+    wM = (theta * (f.unsqueeze(-2) @ a).squeeze(-2)).unsqueeze(-1)  # θ_j Σ_t f_t a_{tj}
+    newM, newS = {}, {}
+    for n, (x, dout) in (("W1", (k, dz1)), ("W2", (h, dy))):
+        US, UM = (x.transpose(-1, -2) @ torch.cat((wS * dout, wM * dout), -1)).chunk(2, -1)  # Σ_j w_j x_jᵀ dout_j
+        newS[n] = cS * S[n] - US
+        newM[n] = cF * M[n] + cM * S[n] - UM
+    return newM, newS
 
 
 @register_layer("titans")
@@ -181,7 +214,7 @@ class Titans(MemoryLayer):
 
     def write_state(self, x: Tensor, state: State) -> State:
         """Write x chunk by chunk: each chunk's gradients at the memory it found, then the momentum
-        and the forgetting token by token."""
+        and the forgetting over its tokens (in closed form, :func:`write_chunk`)."""
         new: State = {}
         k, v = self._keys_values(x, state, new)
         return {**new, **self._write(k, v, *self._gates(x), state)}
