@@ -52,7 +52,7 @@ def test_unknown_names_are_one_clear_error(capsys):
     err = capsys.readouterr().err
     assert "unknown layer 'nope'" in err and "lact" in err
     assert main(["bench", "--layers", "fwpkm", "--suite", "ppl,speed"]) == 2
-    assert "unknown suite(s) 'speed'; valid suites: cost, toys, ppl, niah" in capsys.readouterr().err
+    assert "unknown suite(s) 'speed'; valid suites: cost, pairs, toys, ppl, niah" in capsys.readouterr().err
     assert main(["bench", "--preset", "huge"]) == 2
     assert ("shipped presets: capacity, gpu, paper, recall, recall-10x, recall-10x-seeds, recall-gpu, recall-state, "
             "recall-state-10x, standard, tiny"
@@ -695,11 +695,12 @@ def test_a_preset_names_the_suites_a_bench_without_suite_runs(tmp_path):
 
     tiny = load_preset("tiny")
     assert tiny.default_suites == ("cost", "toys")  # the main job: no tables it cannot show in minutes
-    assert load_preset("standard").default_suites == ("cost", "toys", "ppl", "niah") == tuple(parse_suites(""))
+    assert load_preset("standard").default_suites == ("cost", "toys", "ppl", "niah")
+    assert tuple(parse_suites("")) == ("cost", "pairs", "toys", "ppl", "niah")  # every suite
     assert load_preset("standard").settings("ppl", __import__("memzoo.bench.suites.ppl", fromlist=["x"]).Settings).passages == 32
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**MICRO, "run": {"suites": ["toys", "speed"]}}))
-    with pytest.raises(ConfigError, match=r"run: expected \{suites: \[...\]\} with suites among cost, toys, ppl, niah"):
+    with pytest.raises(ConfigError, match=r"run: expected \{suites: \[...\]\} with suites among cost, pairs, toys, ppl, niah"):
         load_preset(bad)
 
 

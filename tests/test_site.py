@@ -189,8 +189,8 @@ def test_filtering_to_one_family_leaves_its_layers_rows_and_the_controls(family_
     assert kinds == {"mom", "deltanet", "ctrl:attention", "ctrl:none"}
     layers = [r for r in shown if not r.get_attribute("data-layer").startswith("ctrl:")]
     assert all(r.get_attribute("data-family") == "delta rule" for r in layers)
-    col = [h.text for h in family_page.find_elements("css selector", "table th")].index("family")  # the first table's
-    first = family_page.find_element("css selector", "table")
+    first = family_page.find_element("css selector", "section:not(#overview) table")  # the first section's first table
+    col = [h.text for h in first.find_elements("css selector", "th")].index("family")
     assert {r.find_elements("css selector", "td")[col].text for r in _visible_rows(first)
             if r.get_attribute("data-layer") == "mom"} == {"delta rule"}
     linear = [r for r in rows if r.get_attribute("data-layer") == "linear"]

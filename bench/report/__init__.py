@@ -73,7 +73,8 @@ def borrowed(name: str, preset: str, rows: list[dict]) -> list[dict]:
 def frame(rows: list[dict]):
     import pandas as pd
 
-    return pd.json_normalize([{**{k: v for k, v in r.items() if k not in _DROP}, "machine": machine(r)} for r in rows])
+    return pd.json_normalize([{**{k: v for k, v in r.items() if k not in _DROP},
+                               **({"machine": machine(r)} if "hardware" in r else {})} for r in rows])
 
 
 def _groups(rows: list[dict], with_rows: bool = False):
