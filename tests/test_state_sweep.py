@@ -165,7 +165,8 @@ def test_the_state_table_reads_each_models_curve_budget_honestly(tmp_path):
     assert toys_report.model_of(df)["deltanet/hd8"] == "deltanet" and toys_report.model_of(df)["deltanet"] == "deltanet"
     t = toys_report.tables(df)[toys_report.STATE_TITLE].set_index("layer")
     assert t.loc["deltanet", "smallest state at 0.9"] == "2.43k"
-    assert t.loc["deltanet", "sizes (memory state: mean, stops)"] == "80: 0.150 (budget-bound); 224: 0.600 (budget-bound); 2.43k: 0.995"
+    assert t.loc["deltanet", "sizes (memory state: mean, stops)"] == ("80: 0.150 (3 capped through 64k); 224: 0.600 "
+                                                                       "(3 capped through 64k); 2.43k: 0.995")
     assert t.loc["linear", "smallest state at 0.9"] == "not reached at <= 1.09k (through 64k sequences)"
     frac = (math.log(1024) - math.log(224)) / (math.log(2432) - math.log(224))  # log-linear between the sizes around 1k
     assert t.loc["deltanet", "accuracy at 1.02k state"] == f"{0.6 + (0.995 - 0.6) * frac:.3f}"

@@ -244,7 +244,8 @@ def _at(points, state: float) -> float | None:
 
 def state_table(df):
     """The state sweep's table: per model measured at several sizes, its accuracy at each (state
-    numbers: mean, stops), the smallest measured state whose seeds' mean reaches `RECALL_REACH` (or "not
+    numbers: mean, and the stops and budget of a point not every seed solved), the smallest measured
+    state whose seeds' mean reaches `RECALL_REACH` (or "not
     reached at <= S" with the budget), and its accuracy at `COMMON_STATE`."""
     import pandas as pd
 
@@ -253,14 +254,16 @@ def state_table(df):
     recs = []
     for model in layer_order(list(pts)):
         p = pts[model]
-        bound = lambda stops: any(s in ("capped", "chance", "diverged") for s in stops)  # noqa: E731
+        bound = lambda stops: any(s != "solved" for s in stops)  # noqa: E731  (a plateau too: a budget's)
+        how = lambda x: ", ".join(f"{x[4].count(k)} {k}" for k in sorted(set(x[4])))  # noqa: E731
         reached = next((x for x in p if x[1] >= RECALL_REACH), None)
         budget = _count(max(x[6] for x in p if x[6] is not None)) if any(x[6] for x in p) else "?"
         at = _at(p, COMMON_STATE)
         recs.append({
             "model": model,
             "sizes (memory state: mean, stops)": "; ".join(
-                f"{_count(x[0])}: {x[1]:.3f}" + (" (budget-bound)" if bound(x[4]) else "") for x in p),
+                f"{_count(x[0])}: {x[1]:.3f}" + (f" ({how(x)} through {_count(x[6])})" if bound(x[4]) and x[6] else "")
+                for x in p),
             f"smallest state at {RECALL_REACH:g}": (f"{_count(reached[0])}" + (" (budget-bound seeds)" if bound(reached[4]) else "")
                                               if reached else f"not reached at <= {_count(p[-1][0])} (through {budget} sequences)"),
             f"accuracy at {_count(COMMON_STATE)} state": "" if at is None else f"{at:.3f}",
@@ -273,8 +276,8 @@ def _state_figure(m, path: Path) -> Path | None:
     """toys_mqar_state.png: MQAR test accuracy against the memory's state numbers per sequence (log
     x), a line per model through its sizes with its seeds' 95% interval, a panel per write-rule family;
     top row the mean over the pair counts, bottom row the largest count. A point whose seeds all
-    converged (solved or plateau) is filled; one with a seed capped or at chance is hollow: where the
-    budget, not the state, may have set it. The attention control (its state is a KV cache) is the
+    solved is filled; one with a seed capped, on a plateau or at chance is hollow: where the budget,
+    not the state, may have set it (a plateau at a small state is "through N sequences", not a capacity). The attention control (its state is a KV cache) is the
     dashed reference line."""
     import matplotlib.pyplot as plt
 
@@ -297,7 +300,7 @@ def _state_figure(m, path: Path) -> Path | None:
                 means, bars = _bars([x[idx] for x in p])
                 ax.errorbar([x[0] for x in p], means, yerr=bars, color=palette[k], lw=1.2, capsize=2, label=k)
                 for x, y in zip(p, means):
-                    bound = any(s in ("capped", "chance", "diverged") for s in x[4])
+                    bound = any(s != "solved" for s in x[4])  # capped, a plateau or at chance: the budget's
                     ax.scatter([x[0]], [y], s=28, color=palette[k], zorder=3,
                                facecolors="white" if bound else palette[k], linewidths=1.2)
             if not pos.empty:
@@ -312,7 +315,8 @@ def _state_figure(m, path: Path) -> Path | None:
             if j == 0:
                 ax.set_ylabel(f"MQAR test accuracy\n({label})")
         axes[0][j].legend(fontsize=6, loc="lower right")
-    fig.suptitle("MQAR accuracy against state (hollow: a seed capped or at chance, the budget may have set it)", fontsize=9)
+    fig.suptitle("MQAR accuracy against state (hollow: a seed capped, on a plateau or at chance: the budget may have set it)",
+                 fontsize=9)
     fig.tight_layout()
     return save_png(fig, path)
 
