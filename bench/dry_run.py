@@ -8,8 +8,9 @@ holds it (what ``--resume`` skips), and each other job with its units of work. T
 the cap and an estimate of the time on the target device.
 
 The estimate is read from the rows: the seconds per training step of the preset's toys cells (and of
-the presets whose cells it reuses or whose lrs it takes, ``toys.reuse`` and ``toys.lr_of``) recorded on that kind of device (a cell's wall time over the steps it trained at all its lrs:
-compiling and evaluating included), the same model and width where recorded, else the median of
+the presets whose cells it reuses or whose lrs it takes, ``toys.reuse`` and ``toys.lr_of``) recorded
+on that kind of device (a cell's wall time over the steps it trained at all its lrs: compiling and
+evaluating included), the same model and width where recorded, else the median of
 the device's cells. It is an upper bound in steps (every lr to the cap; an early stop saves the
 rest, an lr tried past the grid's edge adds one, a grid at chance two) and it knows only devices the preset has run
 on: with no cell recorded there it says so and prints the figure at an assumed seconds per step

@@ -12,6 +12,9 @@ TOYS_TASKS = ("mqar", "ar")
 #: the recall level the state table and the overview ask a model's seeds' mean (MQAR accuracy) to reach
 RECALL_REACH = 0.9
 
+#: the recall accuracy at which the pairs suite counts n pairs as held by a write rule
+PAIRS_HELD_AT = 0.9
+
 #: the ppl suite's evaluations: fast weights carried across a document's sequences, or reset
 PPL_MODES = ("carry", "reset")
 #: bucket edges (tokens) of the ppl suite's loss by position in a document

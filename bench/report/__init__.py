@@ -127,7 +127,6 @@ def section_name(name: str, preset: str, rows: list[dict], all_rows: list[dict])
     if len(kinds) > 1:
         m, v = _kind(rows[0], pooled)
         head += (f" — {m}" if m else "") + (f", protocol {v}" if len({k[1] for k in kinds}) > 1 and v else "")
-        head = head.replace("` —,", "` —")
     return head
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memzoo.bench.schema import RECALL_REACH, layer_order
+from memzoo.bench.schema import PAIRS_HELD_AT, RECALL_REACH, layer_order
 from memzoo.registry import family_of
 
 NOTE = """\
@@ -71,7 +71,7 @@ def overview(secs: list) -> Overview:
 #: the columns in the order a reader asks: does it recall, does it find the needle, is it worth it in
 #: an LM, what does it cost
 COLUMN_ORDER = ("recall: MQAR accuracy", "recall: seeds, stops, budget", f"recall: smallest state at {RECALL_REACH:g}",
-                "pairs: held at 0.9 per 1k state (no training)",
+                f"pairs: held at {PAIRS_HELD_AT:g} per 1k state (no training)",
                 "NIAH: exact match % by length",
                 "PPL: carried-state gain (nats)", "PPL: re-reading gain (nats)", "cost: training tokens/s × baseline's")
 

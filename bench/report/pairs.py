@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memzoo.bench.common import logit_ci
+from memzoo.bench.common import logit_ci, mean_ci
 from memzoo.bench.report import layer_order, save_png, with_family
+from memzoo.bench.schema import PAIRS_HELD_AT
 
 NAME = "pairs"
+PAIRS_COLUMN = f"pairs: held at {PAIRS_HELD_AT:g} per 1k state (no training)"  # the overview's column
 
-NOTE = """Each row is a write rule at one state size, driven by explicit pairs with the layer's own op (no
+NOTE = f"""Each row is a write rule at one state size, driven by explicit pairs with the layer's own op (no
 training): n key-value pairs written from a reset state and read back at their keys, over several
-independent draws of keys and values. *held at 0.9*: the largest n of the grid whose pairs were
-recalled at 0.9 or better (the nearest stored value by cosine is the right one), the draws' mean with
+independent draws of keys and values. *held at {PAIRS_HELD_AT:g}*: the largest n of the grid whose pairs were
+recalled at {PAIRS_HELD_AT:g} or better (the nearest stored value by cosine is the right one), the draws' mean with
 its 95% interval (t over the draws); "≥ N" where the largest n tried was still held (the grid, not the
 rule, stopped it). *per 1k state*: that over the state numbers a sequence carries (as the recall tables
 count them). *gates*: neutral (β = 1, no decay, the paper's inner lr: each adapter's docstring) or the
@@ -22,17 +24,14 @@ says why (docs/suites/pairs.md)."""
 
 
 def _held(g) -> str:
-    import statistics
-
+    """The pairs held over the draws: their mean with its 95% t-interval (cut at 0), or "≥ top" where
+    every draw held the grid's largest n."""
     held = [h for hs in g["metrics.held"] for h in hs]
     top = int(g["metrics.grid_top"].iloc[0])
-    if len(held) < 2:
-        return f"{held[0]}"
-    m = statistics.fmean(held)
-    sd = statistics.stdev(held)
-    half = 2.776 * sd / len(held) ** 0.5 if len(held) == 5 else 1.96 * sd / len(held) ** 0.5
-    lo, hi = max(0.0, m - half), m + half
-    return (f"≥ {top}" if all(h >= top for h in held) else f"{m:.1f} [{lo:.1f}, {hi:.1f}]")
+    if all(h >= top for h in held):
+        return f"≥ {top}"
+    m, half = mean_ci(held)
+    return f"{m:.1f} [{max(0.0, m - half):.1f}, {m + half:.1f}]" if len(held) > 1 else f"{held[0]}"
 
 
 def tables(df) -> dict:
@@ -98,7 +97,7 @@ def figures(df, out_dir: Path) -> list[Path]:
             if i == len(gates) - 1:
                 ax.set_xlabel("state numbers per sequence (log)")
             if j == 0:
-                ax.set_ylabel(f"pairs held at 0.9 ({gate} gates)")
+                ax.set_ylabel(f"pairs held at {PAIRS_HELD_AT:g} ({gate} gates)")
             ax.legend(fontsize=6)
     fig.suptitle("Pairs a write rule holds without training, against its state (random keys)", fontsize=9)
     fig.tight_layout()
@@ -117,7 +116,7 @@ def figures(df, out_dir: Path) -> list[Path]:
                 stats = [logit_ci(m[f"metrics.acc_by_n.{k}"]) for k in ns]
                 ax.errorbar(ns, [s[0] for s in stats], yerr=[[s[0] - s[1] for s in stats], [s[2] - s[0] for s in stats]],
                             color=pal[n], label=n, lw=1.2, capsize=2)
-            ax.axhline(0.9, color="grey", lw=0.6, ls=":")
+            ax.axhline(PAIRS_HELD_AT, color="grey", lw=0.6, ls=":")
             ax.set_xscale("log", base=2)
             ax.set_ylim(0, 1.02)
             ax.set_title(fam, fontsize=9)
@@ -139,4 +138,4 @@ def headline(sec) -> dict:
             v = r["metrics"].get("held_per_1k_state")
             cells[r["layer"]] = ((r["time"],), "" if v is None else f"{v:.2f} ({r['metrics']['held_mean']:.1f} of "
                                                                       f"{r['metrics']['mem_state']:,} numbers)")
-    return {"pairs: held at 0.9 per 1k state (no training)": cells}
+    return {PAIRS_COLUMN: cells}

@@ -29,20 +29,18 @@ import torch
 import torch.nn.functional as F
 
 from memzoo.bench.common import BASELINE, CONTROLS, Context
+from memzoo.bench.schema import PAIRS_HELD_AT as HELD_AT  # the level at which a rule "holds" n pairs
 from memzoo.config import ConfigError
 
 NAME = "pairs"
-
-#: the level of recall accuracy at which a rule "holds" n pairs
-HELD_AT = 0.9
 
 
 def _sizes() -> dict:
     """Each layer's state knob, a size a setting of it over the layer's bench options (the first: those
     options, the recall preset's size): >= 64x in state numbers, as recall-state.yaml's knobs reach."""
     heads = [{"head_dim": d} for d in (32, 4, 8, 16, 64)]
-    out = {n: heads for n in ("linear", "deltanet", "gated_deltanet", "deltaproduct", "kda", "rwkv7", "mom",
-                              "ttt_linear", "ttt_mlp", "titans")}
+    out = {n: heads for n in ("deltanet", "gated_deltanet", "deltaproduct", "kda", "rwkv7", "mom", "ttt_linear",
+                              "ttt_mlp", "titans")}
     out["lact"] = [{}] + [{"inter_multi": m} for m in (0.0625, 0.25, 2.0)] + [{"num_heads": 1, "inter_multi": 2.0}]
     out["fwmlp"] = [{}] + [{"intermediate_dim": h} for h in (4, 16, 64)]
     out["fwpkm"] = [{}] + [{"n_subkeys": n} for n in (8, 16, 32, 128)]

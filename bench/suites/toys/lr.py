@@ -48,7 +48,6 @@ def search(lrs: list[float], train_at, chance: float) -> dict:
     return trainings
 
 
-
 def around(lr: float) -> list[float]:
     """A short grid centred on `lr`: a third of it, it, three times it (the state sweep's, whose
     smaller states want smaller lrs: docs/suites/toys.md, "The state sweep")."""
