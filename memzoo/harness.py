@@ -1,5 +1,6 @@
 """lm-evaluation-harness for memzoo models: the registered model ``memzoo`` (an ``HFLM`` subclass,
-as flash-linear-attention's evals/harness.py), and lm_eval's own command line with it registered:
+as flash-linear-attention's evals/harness.py), and lm_eval's own command line with it registered
+(``pip install 'memzoo[eval]'``):
 
     python -m memzoo.harness --model memzoo --model_args pretrained=runs/tiny-gdn-fwpkm --tasks wikitext
     python -m memzoo.harness --model memzoo --model_args pretrained=runs/x,device=cuda --tasks lambada_openai
@@ -27,9 +28,13 @@ import os
 
 import torch
 import torch.nn.functional as F
-from lm_eval.api.registry import register_model
-from lm_eval.models.huggingface import HFLM
 from transformers import PreTrainedTokenizer
+
+try:
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.huggingface import HFLM
+except ImportError as e:  # an extra: the rest of memzoo does not need it
+    raise ImportError("memzoo.harness needs lm-evaluation-harness: pip install 'memzoo[eval]'") from e
 
 from memzoo.backbone.model import HybridLM
 from memzoo.data import get_tokenizer

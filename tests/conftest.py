@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 # Triton kernels (memzoo.kernels) run on CPU under the interpreter, which triton reads when a
@@ -198,3 +199,19 @@ def device_paths_differ(name: str, device: str, seed: int = 0) -> dict:
     (y0, s0, g0), (y1, s1, g1) = runs
     return {"output": rel(y1, y0), "state": max((rel(s1[k], s0[k]) for k in s0), default=0.0),
             "grads": max((rel(a, b) for a, b in zip(g1, g0)), default=0.0)}
+
+
+@pytest.fixture
+def gdn_compiled_traced_only(monkeypatch):
+    """The GDN op's "compiled" backend as on CUDA up to code generation: torch.compile's tracing and
+    AOTAutograd (backend aot_eager), without inductor's C++ codegen for the CPU. That codegen runs in no
+    path of the library (the compiled GDN runs on CUDA only, where inductor emits Triton: test_cuda.py)
+    is the slowest compile of the suite on a machine without inductor's cache (docs/journal/bench.md)."""
+    import functools
+
+    from memzoo.ops import gated_delta_rule as gdr
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    gdr._compiled_chunked.cache_clear()
+    yield
+    gdr._compiled_chunked.cache_clear()

@@ -869,7 +869,7 @@ def test_gpu_check_pack_counts_cells_an_hour_at_each_jobs(tmp_path):
     assert [ln.split(":")[0] for ln in gpu_check.figures("pack", tmp_path, "")] == ["--jobs 1", "--jobs 2"]
 
 
-def test_the_gdn_op_benchmark_checks_its_paths_before_it_times_them():
+def test_the_gdn_op_benchmark_checks_its_paths_before_it_times_them(gdn_compiled_traced_only):
     from memzoo.bench.benchmarks import bench_gdn_op
 
     rows = {r["path"]: r for r in bench_gdn_op.run("cpu", (1, 64, 2, 8), reps=2)}

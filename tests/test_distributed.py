@@ -23,6 +23,9 @@ import torch.multiprocessing as mp
 from memzoo.config import load_config
 from memzoo.train import train
 
+#: the slow tier (several processes of the library at once): `python -m pytest -m slow`, which CI runs too
+pytestmark = pytest.mark.slow
+
 CONFIG = """\
 model: {layout: "GDN | fwpkm@1", vocab_size: 257, d_model: 32, n_layers: 2, ffn_dim: 64, gdn_heads: 2, gdn_head_dim: 16,
         memory: {fwpkm: {key_dim: 16, value_dim: 16, n_subkeys: 16, topk: 2, chunk_size: 16, per_sequence: true}}}

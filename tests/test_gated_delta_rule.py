@@ -312,9 +312,10 @@ def test_auto_leaves_fla_where_it_refuses_the_gated_backward(monkeypatch, capabi
         assert "Hopper" in why and triton_version in why
 
 
-def test_the_compiled_torch_path_matches_fla_naive_recurrent_forward_and_backward():
+def test_the_compiled_torch_path_matches_fla_naive_recurrent_forward_and_backward(gdn_compiled_traced_only):
     """backend="compiled" (what "auto" runs on CUDA where fla cannot): the same chunked algorithm
-    under torch.compile, checked on the CPU against fla's naive recurrence."""
+    under torch.compile, checked on the CPU against fla's naive recurrence (traced and differentiated
+    as compiled, without the CPU's code generation: the fixture)."""
     B, T, H, K, V = 1, 32, 2, 8, 8
     xs = make_inputs(B, T, H, K, V, seed=3, requires_grad=True)
     gen = torch.Generator().manual_seed(4)

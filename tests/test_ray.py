@@ -19,6 +19,9 @@ from test_toys import MICRO as TOYS
 
 ray = pytest.importorskip("ray")
 
+#: the slow tier (several processes of the library at once): `python -m pytest -m slow`, which CI runs too
+pytestmark = pytest.mark.slow
+
 #: what differs between two runs of one cell by design: when and where it ran, and how fast
 TIMING = {"tokens_per_s", "compile_s", "eval_s"}
 PROVENANCE = {"run_id", "time", "wall_s", "hardware", "digest"}  # (the digest covers the provenance too)
