@@ -1,9 +1,10 @@
-"""Causal linear attention with an optional per-head scalar decay (pure torch).
+"""Causal linear attention with an optional decay, per head or per key channel (pure torch).
 
 This is the fast-weight recurrence shared by the linear-attention / fast-weight-programmer
 layer (Schlag et al. 2021), retention-style decayed variants, and Ba et al.'s fast weights:
 
     S_t = λ_t S_{t-1} + k_t v_tᵀ                 (write: outer-product update, decay λ_t ∈ (0, 1])
+    S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ            (or a decay per key channel, α_t ∈ (0, 1]^K: GLA)
     o_t = q_tᵀ S_t                                (read: inclusive — position t sees its own write)
 
 with, per batch element and head, ``S_t ∈ R^{K×V}``. Inputs are given in "feature space":
@@ -16,7 +17,8 @@ Shapes (B batch, T time, H heads, K key dim, V value dim):
 
     q, k         [B, T, H, K]
     v            [B, T, H, V]
-    log_decay    [B, T, H] or None
+    log_decay    [B, T, H] (λ_t, a scalar per head: RetNet, Mamba-2's SSD), [B, T, H, K] (α_t, one
+                 decay per key channel, scaling row i of S: GLA's Diag(α_t)), or None
     state        [B, H, K, V]     (initial_state may be None = zeros)
 
 Three entry points, all returning new tensors (never in place), differentiable:
@@ -30,7 +32,10 @@ Three entry points, all returning new tensors (never in place), differentiable:
 
   intra-chunk terms are a masked ``q kᵀ`` matrix times a decay matrix, applied to the values
   by :func:`causal_matmul`; the state is carried across chunks by a short loop over
-  ``T / chunk_size`` chunks.
+  ``T / chunk_size`` chunks. With a decay per key channel, b_t ∈ R^K and the decays move inside
+  the products: ``o_t = (q_t ⊙ exp(b_t))ᵀ S_0 + Σ_{s≤t} (Σ_i q_ti k_si exp(b_ti − b_si)) v_s`` and
+  ``S_C = Diag(exp(b_C)) S_0 + Σ_s (k_s ⊙ exp(b_C − b_s)) v_sᵀ`` (GLA Sec. 4.2's chunkwise form,
+  with the decay differences taken per pair (t, s), so every exponent is ≤ 0 and nothing overflows).
 - :func:`linear_attention_final_state` — only ``S_T`` (what a pure ``write`` needs), one einsum.
 
 A normalised read (Katharopoulos et al. 2020, ``o_t = q_tᵀS_t / q_tᵀz_t`` with
@@ -55,8 +60,9 @@ def _check(q: Tensor | None, k: Tensor, v: Tensor, log_decay: Tensor | None, ini
         raise ValueError(f"q and k must have the same shape [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
     if v.shape[:3] != (B, T, H):
         raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
-    if log_decay is not None and log_decay.shape != (B, T, H):
-        raise ValueError(f"log_decay must be [B, T, H] = [{B}, {T}, {H}] or None; got {tuple(log_decay.shape)}")
+    if log_decay is not None and log_decay.shape not in ((B, T, H), (B, T, H, K)):
+        raise ValueError(f"log_decay must be [B, T, H] = [{B}, {T}, {H}] (per head), [B, T, H, K] = "
+                         f"[{B}, {T}, {H}, {K}] (per key channel) or None; got {tuple(log_decay.shape)}")
     V = v.shape[-1]
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         raise ValueError(
@@ -97,7 +103,8 @@ def linear_attention_recurrent(
     log_decay: Tensor | None = None,
     initial_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Reference recurrence, one token at a time: ``S_t = λ_t S_{t-1} + k_t v_tᵀ; o_t = q_tᵀ S_t``.
+    """Reference recurrence, one token at a time: ``S_t = λ_t S_{t-1} + k_t v_tᵀ; o_t = q_tᵀ S_t``
+    (``S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ`` with a decay per key channel).
 
     Returns ``(o [B, T, H, V], final_state [B, H, K, V])``.
     """
@@ -108,7 +115,9 @@ def linear_attention_recurrent(
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
     outs = []
     for t in range(T):
-        if log_decay is not None:
+        if log_decay is not None and log_decay.dim() == 4:  # Diag(α_t): row i of S times α_ti
+            S = log_decay[:, t].to(dt).exp()[..., None] * S
+        elif log_decay is not None:
             S = log_decay[:, t].to(dt).exp()[..., None, None] * S
         S = S + k[:, t, :, :, None] * v[:, t, :, None, :]
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
@@ -124,7 +133,8 @@ def linear_attention_final_state(
 ) -> Tensor:
     """Only the state after the whole sequence (a pure write):
 
-        S_T = exp(b_T) S_0 + Σ_s exp(b_T − b_s) k_s v_sᵀ,   b_t = Σ_{r≤t} log λ_r.
+        S_T = exp(b_T) S_0 + Σ_s exp(b_T − b_s) k_s v_sᵀ,   b_t = Σ_{r≤t} log λ_r
+        S_T = Diag(exp(b_T)) S_0 + Σ_s (exp(b_T − b_s) ⊙ k_s) v_sᵀ       (a decay per key channel)
 
     Every exponent is ≤ 0, so this is stable for any T. Returns ``[B, H, K, V]``.
     """
@@ -136,9 +146,14 @@ def linear_attention_final_state(
         if initial_state is not None:
             S = initial_state.to(dt) + S
         return S
-    b = log_decay.to(dt).cumsum(dim=1)  # [B, T, H]
-    b_T = b[:, -1:] if T > 0 else b.new_zeros(B, 1, H)
+    b = log_decay.to(dt).cumsum(dim=1)  # [B, T, H] or [B, T, H, K]
+    b_T = b[:, -1:] if T > 0 else b.new_zeros(B, 1, *b.shape[2:])
     w = (b_T - b).exp()  # exp(b_T - b_s) in (0, 1]
+    if log_decay.dim() == 4:
+        S = torch.einsum("bthk,bthv->bhkv", k * w, v)
+        if initial_state is not None:
+            S = b_T[:, 0].exp()[..., None] * initial_state.to(dt) + S
+        return S
     S = torch.einsum("bthk,bth,bthv->bhkv", k, w, v)
     if initial_state is not None:
         S = b_T[:, 0].exp()[..., None, None] * initial_state.to(dt) + S
@@ -160,6 +175,10 @@ def linear_attention_chunked(
 
         o_t = exp(b_t) q_tᵀ S_0 + Σ_{s≤t} exp(b_t − b_s) (q_t·k_s) v_s
         S_C = exp(b_C) S_0      + Σ_s exp(b_C − b_s) k_s v_sᵀ
+
+    With a decay per key channel, b_t ∈ R^K: ``q_t·k_s`` becomes ``Σ_i q_ti k_si exp(b_ti − b_si)``
+    (a [C, C, K] decay tensor per chunk), ``exp(b_t) q_t`` and ``exp(b_C − b_s) k_s`` are elementwise,
+    and the state's rows decay by ``exp(b_C)``.
 
     T need not be a multiple of ``chunk_size``: the tail is padded with k = v = 0 and
     λ = 1, which leaves the state unchanged. The causal mask is applied by selection
@@ -186,8 +205,20 @@ def linear_attention_chunked(
         return x.reshape(B, N, C, H, *x.shape[3:]).transpose(1, 3).transpose(2, 3)
 
     qc, kc, vc = prep(q), prep(k), prep(v)  # [B, H, N, C, K|V]
-    attn = qc @ kc.transpose(-1, -2)  # [B, H, N, C, C]; causal_matmul keeps its lower triangle
-    if log_decay is not None:
+    per_key = log_decay is not None and log_decay.dim() == 4
+    if per_key:
+        b = prep(log_decay).cumsum(dim=-2)  # [B, H, N, C, K]; prep pads with log α = 0 (α = 1)
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        diff = b[..., :, None, :] - b[..., None, :, :]  # b_t - b_s per channel: [B, H, N, C, C, K]
+        diff = diff.masked_fill(~causal[..., None], float("-inf"))  # masked before exp: never overflows
+        attn = torch.einsum("bhntk,bhnsk,bhntsk->bhnts", qc, kc, diff.exp())
+        q_in = qc * b.exp()  # exp(b_t) ⊙ q_t: reads the chunk's initial state
+        k_out = kc * (b[..., -1:, :] - b).exp()  # exp(b_C - b_s) ⊙ k_s: writes the state
+        chunk_decay = b[..., -1, :].exp()[..., None]  # Diag(exp(b_C)) [B, H, N, K, 1]
+    else:
+        attn = qc @ kc.transpose(-1, -2)  # [B, H, N, C, C]; causal_matmul keeps its lower triangle
+        q_in, k_out, chunk_decay = qc, kc, None
+    if log_decay is not None and not per_key:
         ld = log_decay.to(dt)
         if pad:
             ld = torch.nn.functional.pad(ld, (0, 0, 0, pad))  # λ = 1 on padding
@@ -198,15 +229,16 @@ def linear_attention_chunked(
         q_in = qc * b[..., None].exp()  # exp(b_t) q_t: reads the chunk's initial state
         k_out = kc * (b[..., -1:] - b)[..., None].exp()  # exp(b_C - b_s) k_s: writes the state
         chunk_decay = b[..., -1].exp()  # exp(b_C) [B, H, N]
-    else:
-        q_in, k_out, chunk_decay = qc, kc, None
     o_intra = causal_matmul(attn, vc)  # [B, H, N, C, V]
     kv = k_out.transpose(-1, -2) @ vc  # per-chunk write Σ_s exp(b_C - b_s) k_s v_sᵀ: [B, H, N, K, V]
 
     o_inter = []
     for n in range(N):
         o_inter.append(q_in[:, :, n] @ S)  # [B, H, C, V]
-        S = S if chunk_decay is None else chunk_decay[:, :, n, None, None] * S
+        if per_key:
+            S = chunk_decay[:, :, n] * S
+        elif chunk_decay is not None:
+            S = chunk_decay[:, :, n, None, None] * S
         S = S + kv[:, :, n]
     o = o_intra + torch.stack(o_inter, dim=2)  # [B, H, N, C, V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
