@@ -71,6 +71,22 @@ def linear(o: dict) -> int:
     return H * K * K + (H * K if normalize else 0)
 
 
+def mamba2(o: dict, d_model: int) -> int:
+    """Mamba-2 (Dao & Gu 2024, Eq. 1a with Sec. 3.1.2's scalar A): one h ∈ R^{N×P} per head, H = E·D / P
+    heads (a_t, Δ_t, B_t, C_t are per token, no state); plus the history of the block's short
+    convolution (size c) on [x, B, C], of width E·D + 2N (one group of B and C, Sec. 7.1-7.2)."""
+    E, N, P = o["expand"], o["d_state"], o["head_dim"]
+    H = E * d_model // P
+    return H * N * P + conv_cache(o["conv_size"], E * d_model + 2 * N)
+
+
+def gla(o: dict, d_model: int) -> int:
+    """GLA (Yang et al. 2024, Eq. 3): one S ∈ R^{K×V} per head, K = expand_k·D/H, V = expand_v·D/H (α_t is
+    a vector a token, no state; no short convolution)."""
+    H = o["num_heads"]
+    return H * int(o["expand_k"] * d_model // H) * int(o["expand_v"] * d_model // H)
+
+
 def mom(o: dict) -> int:
     """MoM (Du et al. 2025, Eq. 6-7, 11-12): M routed gated-delta-rule memories S^m ∈ R^{K×V} per
     head, and the shared one S^s; the k and v short convolutions of each memory run along its own
@@ -166,6 +182,12 @@ COUNTS: dict[str, tuple[list[dict], Callable[[dict, int], int]]] = {
     "linear": ([dict(num_heads=2, head_dim=16, feature_map="elu"),
                 dict(num_heads=4, head_dim=8, feature_map="l2"),
                 dict(num_heads=1, head_dim=24, feature_map="elu", decay=True)], lambda o, D: linear(o)),
+    "mamba2": ([dict(d_state=16, head_dim=16, expand=1, conv_size=4),
+                dict(d_state=8, head_dim=8, expand=2, conv_size=0),
+                dict(d_model=64, d_state=32, head_dim=32, expand=2, conv_size=3)], mamba2),
+    "gla": ([dict(num_heads=2, expand_k=1.0, expand_v=1.0),
+             dict(num_heads=4, expand_k=0.5, expand_v=2.0),
+             dict(d_model=64, num_heads=2, expand_k=0.5, expand_v=1.0)], gla),
     "mom": ([dict(num_memories=4, topk=2, shared_memory=True, num_heads=2, head_dim=16, expand_v=1.0, conv_size=4),
              dict(num_memories=3, topk=1, shared_memory=False, num_heads=4, head_dim=8, expand_v=2.0, conv_size=3)],
             lambda o, D: mom(o)),

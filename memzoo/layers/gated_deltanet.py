@@ -37,9 +37,12 @@ def dt_bias_init(n: int) -> Tensor:
     return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
 
 
-def mamba2_decay_init(n: int) -> tuple[Tensor, Tensor]:
-    """(A_log, dt_bias) of n gates, Mamba-2's init: A ~ U(1e-4, 16), softplus(dt_bias) ~ logU(1e-3, 1e-1)."""
-    return torch.empty(n).uniform_(1e-4, 16).log(), dt_bias_init(n)
+def mamba2_decay_init(n: int, a_range: tuple[float, float] = (1e-4, 16)) -> tuple[Tensor, Tensor]:
+    """(A_log, dt_bias) of n gates, Mamba-2's init: A ~ U(a_range), softplus(dt_bias) ~ logU(1e-3, 1e-1).
+    The default range is Gated DeltaNet's (fla's ``uniform_(0, 16)``, kept off 0 so log A is finite);
+    Mamba-2's own layer draws A ~ U(1, 16) (its ``A_init_range``: memzoo/layers/mamba2.py)."""
+    lo, hi = a_range
+    return torch.empty(n).uniform_(lo, hi).log(), dt_bias_init(n)
 
 
 @register_layer("gated_deltanet")

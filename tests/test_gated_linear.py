@@ -1,0 +1,251 @@
+"""The gated Hebbian memories (Mamba-2, GLA) against independent references, in fp64 on a CPU.
+
+Each layer's recurrence, run as the layer runs it (the chunked op of memzoo/ops/linear_attention.py,
+chunks of 4 over a ragged length, from a nonzero initial state, on the keys, values, queries and
+decays the layer's own projections give), against fla's pure-torch reference of the same rule: the
+outputs, the final state, and the gradients of the queries, keys, values, decays and the initial
+state, to 1e-6. fla's references cast to fp32; `fp64` (tests/test_delta_rules.py) redirects those
+casts to fp64. Where fla's reference differs from the paper, a token loop of the paper's equation,
+written here, is checked as well. Each check prints the largest difference it sees (`pytest -s`).
+
+- Mamba-2's SSD (Dao & Gu 2024, Eq. 1a-1b with a scalar A per head) is fla's ``simple_gla`` with
+  q = C, k = B, v = Δ x, g = Δ A and no scale: ``naive_recurrent_simple_gla(scale=1)``. The whole
+  block (projection, short convolution, Δ, the SSD, D, the gated RMSNorm) is checked besides against
+  fla's ``Mamba2.torch_forward`` with the layer's weights copied in.
+- GLA (Yang et al. 2024, Eq. 3): ``naive_recurrent_gla`` reads with q / √K; the paper's o_t = S_tᵀ q_t
+  has no scale. The layer folds fla's 1/√K into its query; the token loop of Eq. 3 checks the op
+  without the scale.
+- The chunked op with a decay per key channel against the op's own recurrent reference (the op's
+  two forms must agree; the recurrent form is in turn checked against fla above), at several chunk
+  lengths, with strong decays.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+from conftest import rand_x, tiny_layer
+from memzoo.ops.linear_attention import (
+    linear_attention_chunked,
+    linear_attention_final_state,
+    linear_attention_recurrent,
+)
+from test_delta_rules import fp64
+
+TOL = 1e-6
+simple_gla = pytest.importorskip("fla.ops.simple_gla.naive")
+gla_naive = pytest.importorskip("fla.ops.gla.naive")
+
+
+def leaves(*ts):
+    return [t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def check(ours, ref, inputs, what: str) -> float:
+    """The largest difference of (o, S) and of the gradients of a fixed random projection of them with
+    respect to every input; asserts each within TOL; returns (and prints) the largest."""
+    gen = torch.Generator().manual_seed(9)
+    ro, rs = (torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in ours)
+    grads = [torch.autograd.grad((o * ro).sum() + (S * rs).sum(), inputs, retain_graph=True) for o, S in (ours, ref)]
+    worst = 0.0
+    for a, b, part in zip(ours, ref, ("o", "final state")):
+        err = (a - b).abs().max().item()
+        assert err <= TOL, f"{what}: {part} differs by {err:.3g}"
+        worst = max(worst, err)
+    for i, (ga, gb) in enumerate(zip(*grads)):
+        err = (ga - gb).abs().max().item()
+        assert err <= TOL, f"{what}: gradient of input {i} differs by {err:.3g}"
+        worst = max(worst, err)
+    print(f"{what}: largest difference {worst:.2e} (o, final state, {len(inputs)} input gradients)")
+    return worst
+
+
+def initial_state(layer, B: int = 2) -> dict:
+    state = layer.init_state(B)
+    state["S"] = 0.3 * torch.randn(state["S"].shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    return state
+
+
+# ---- Mamba-2 ------------------------------------------------------------------------------------
+def test_mamba2_ssd_matches_fla_naive_simple_gla():
+    """The SSD recurrence h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_tᵀ, y_t = C_tᵀ h_t (Eq. 1a-1b without the
+    skip) as the layer runs it (chunks of 4, T = 21) against fla's scalar-gated recurrence, scale 1."""
+    layer = tiny_layer("mamba2", noise=0.05)
+    state = initial_state(layer)
+    with torch.no_grad():
+        _, x, Bm, Cm, dt, log_a = layer.project(rand_x(2, 21), state)
+    q, k, v, g, S0 = leaves(Cm, Bm, dt[..., None] * x, log_a, state["S"])
+    ours = linear_attention_chunked(q, k, v, g, S0, chunk_size=4)
+    with fp64(simple_gla):
+        o, S = simple_gla.naive_recurrent_simple_gla(q, k, v, g, scale=1.0, initial_state=S0)
+    check(ours, (o, S), [q, k, v, g, S0], "mamba2 SSD vs fla naive_recurrent_simple_gla")
+    # the write alone (what `write` runs): the final-state form
+    S_w = linear_attention_final_state(k, v, g, S0)
+    assert (S_w - S).abs().max().item() <= TOL
+
+
+def test_mamba2_block_matches_fla_torch_forward():
+    """The whole block (Sec. 7.1): W_in, the short convolution with bias, Δ = softplus(· + dt_bias),
+    the SSD, D x, RMSNorm(y ⊙ silu(z)) over E·D, W_out, against fla's ``Mamba2.torch_forward`` (its
+    chunked SSD at chunks of 4) with the layer's weights; the Triton-only pieces of fla's layer (its
+    SiLU, its gated RMSNorm) replaced by fla's own torch references (F.silu, ``rms_norm_ref``).
+    Output, final SSM state, and the gradients of every slow weight shared by both."""
+    fla_mamba2 = pytest.importorskip("fla.layers.mamba2")
+    from fla.modules.norm.layernorm_gated import rms_norm_ref
+
+    layer = tiny_layer("mamba2", noise=0.05)
+    with torch.no_grad():  # away from their inits, so that every term is seen
+        layer.D.normal_(generator=torch.Generator().manual_seed(1))
+        layer.norm_weight.add_(0.3 * torch.randn(layer.inner, generator=torch.Generator().manual_seed(2),
+                                                 dtype=torch.float64))
+        layer.conv_bias.normal_(generator=torch.Generator().manual_seed(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            ref = fla_mamba2.Mamba2(hidden_size=32, head_dim=layer.head_dim, state_size=layer.d_state,
+                                    expand=layer.expand, conv_kernel=layer.conv_size, chunk_size=4).double()
+        finally:
+            logging.disable(logging.NOTSET)
+    ref.act = torch.nn.functional.silu
+    norm = ref.norm
+    norm.forward = lambda y, z: rms_norm_ref(y, norm.weight, None, z=z, eps=norm.eps, group_size=norm.group_size,
+                                             norm_before_gate=norm.norm_before_gate, upcast=False)
+    with torch.no_grad():
+        for theirs, ours in ((ref.in_proj.weight, layer.in_proj.weight), (ref.conv1d.bias, layer.conv_bias),
+                             (ref.dt_bias, layer.dt_bias), (ref.A_log, layer.A_log), (ref.D, layer.D),
+                             (ref.norm.weight, layer.norm_weight), (ref.out_proj.weight, layer.out_proj.weight)):
+            theirs.copy_(ours)
+        ref.conv1d.weight.copy_(layer.conv_weight.t()[:, None])
+    x = rand_x(2, 21)
+    y, st = layer.forward_state(x, layer.init_state(2))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "float", torch.Tensor.double)
+        y_ref, _, S_ref = ref.torch_forward(x)
+    S_ref = S_ref.transpose(-1, -2)  # fla's [H, P, N] -> the op's [key N, value P]
+    gen = torch.Generator().manual_seed(9)
+    ry, rs = torch.randn(y.shape, generator=gen, dtype=torch.float64), torch.randn(S_ref.shape, generator=gen,
+                                                                                   dtype=torch.float64)
+    ours_p = [layer.in_proj.weight, layer.conv_bias, layer.dt_bias, layer.A_log, layer.D, layer.norm_weight,
+              layer.out_proj.weight, layer.conv_weight]
+    theirs_p = [ref.in_proj.weight, ref.conv1d.bias, ref.dt_bias, ref.A_log, ref.D, ref.norm.weight,
+                ref.out_proj.weight, ref.conv1d.weight]
+    g_ours = torch.autograd.grad((y * ry).sum() + (st["S"] * rs).sum(), ours_p)
+    g_ref = list(torch.autograd.grad((y_ref * ry).sum() + (S_ref * rs).sum(), theirs_p))
+    g_ref[-1] = g_ref[-1][:, 0].t()
+    worst = max((y - y_ref).abs().max().item(), (st["S"] - S_ref).abs().max().item())
+    assert worst <= TOL, f"mamba2 block vs fla torch_forward: output/state differ by {worst:.3g}"
+    for a, b, n in zip(g_ours, g_ref, ("in_proj", "conv_bias", "dt_bias", "A_log", "D", "norm", "out_proj", "conv")):
+        err = (a - b).abs().max().item()
+        assert err <= TOL, f"mamba2 block vs fla torch_forward: gradient of {n} differs by {err:.3g}"
+        worst = max(worst, err)
+    print(f"mamba2 block vs fla Mamba2.torch_forward: largest difference {worst:.2e} (y, h, 8 gradients)")
+
+
+def test_mamba2_read_is_the_papers_output_from_the_memory_before():
+    """y_t = C_tᵀ h_t + D x_t (Eq. 1b) with h_t = a_t h_{t-1} + Δ_t B_t x_tᵀ (Eq. 1a), in a token loop
+    written here, equals the layer's read of x_t from h_{t-1} (its read carries the token's own term)."""
+    layer = tiny_layer("mamba2", noise=0.05)
+    state = initial_state(layer)
+    x_in = rand_x(2, 1)
+    _, x, Bm, Cm, dt, log_a = layer.project(x_in, state)
+    h = log_a[:, 0].exp()[..., None, None] * state["S"] + dt[:, 0, :, None, None] * Bm[:, 0, :, :, None] * x[:, 0, :, None, :]
+    y = torch.einsum("bhn,bhnp->bhp", Cm[:, 0], h) + layer.D[:, None] * x[:, 0]
+    z = layer.project(x_in, state)[0]
+    want = layer.output(y[:, None], z, x_in)
+    err = (layer.read_state(x_in, state) - want).abs().max().item()
+    print(f"mamba2 read vs the paper's Eq. 1a-1b token: largest difference {err:.2e}")
+    assert err <= TOL
+
+
+# ---- GLA ----------------------------------------------------------------------------------------
+def gla_inputs(T: int = 21):
+    layer = tiny_layer("gla", noise=0.05)
+    state = initial_state(layer)
+    x = rand_x(2, T)
+    with torch.no_grad():
+        q = layer.heads(layer.q_proj(x), layer.head_dim)
+        k, v, log_alpha = layer.keys_values(x)
+    return layer, state, q, k, v, log_alpha
+
+
+def test_gla_matches_fla_naive_recurrent_gla():
+    """S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ, o_t = S_tᵀ q_t / √K, as the layer runs it (its query carries
+    the 1/√K; chunks of 4, T = 21), against fla's ``naive_recurrent_gla`` (which scales q by K^-½)."""
+    layer, state, q, k, v, g = gla_inputs()
+    q, k, v, g, S0 = leaves(q, k, v, g, state["S"])
+    ours = linear_attention_chunked(layer.scale * q, k, v, g, S0, chunk_size=4)
+    with fp64(gla_naive):
+        o, S = gla_naive.naive_recurrent_gla(q, k, v, g, initial_state=S0, output_final_state=True)
+    check(ours, (o, S), [q, k, v, g, S0], "gla vs fla naive_recurrent_gla")
+    S_w = linear_attention_final_state(k, v, g, S0)
+    assert (S_w - S).abs().max().item() <= TOL
+
+
+def test_gla_matches_the_papers_eq3_token_loop():
+    """fla's reference scales the read by 1/√K; the paper's Eq. 3 does not: o_t = S_tᵀ q_t with
+    S_t = (α_t 1ᵀ) ⊙ S_{t-1} + k_t v_tᵀ, as a token loop here, against the op on unscaled queries,
+    and the decay α_t = sigmoid(W_α2 W_α1 x_t + b_α)^{1/τ} (Sec. 4.4) written out."""
+    layer, state, q, k, v, g = gla_inputs()
+    x = rand_x(2, 21)
+    with torch.no_grad():
+        alpha = torch.sigmoid(layer.gk_proj[1](layer.gk_proj[0](x))) ** (1 / 16)
+    torch.testing.assert_close(g.exp(), alpha.unflatten(-1, (layer.num_heads, layer.head_dim)), rtol=1e-12, atol=1e-12)
+    q, k, v, g, S0 = leaves(q, k, v, g, state["S"])
+    S, outs = S0, []
+    for t in range(q.shape[1]):
+        S = g[:, t].exp()[..., None] * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    ref = (torch.stack(outs, dim=1), S)
+    check(linear_attention_chunked(q, k, v, g, S0, chunk_size=4), ref, [q, k, v, g, S0], "gla vs the paper's Eq. 3")
+
+
+# ---- the op with a decay per key channel ------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [1, 3, 8, 64])
+def test_chunked_per_key_decay_matches_the_recurrence(chunk):
+    """Decays per key channel down to exp(−6) a token (products of decays far below fp64's range over
+    a chunk would overflow a factorised form; the op's per-pair differences never do)."""
+    gen = torch.Generator().manual_seed(chunk)
+    B, T, H, K, V = 2, 19, 2, 5, 3
+    q, k, v = (torch.randn(B, T, H, d, generator=gen, dtype=torch.float64) for d in (K, K, V))
+    g = -6 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
+    S0 = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+    q, k, v, g, S0 = leaves(q, k, v, g, S0)
+    check(linear_attention_chunked(q, k, v, g, S0, chunk_size=chunk), linear_attention_recurrent(q, k, v, g, S0),
+          [q, k, v, g, S0], f"chunked (C={chunk}) vs recurrent, decay per key channel")
+    S_w = linear_attention_final_state(k, v, g, S0)
+    assert (S_w - linear_attention_recurrent(q, k, v, g, S0)[1]).abs().max().item() <= TOL
+
+
+def test_a_decay_per_key_channel_equal_across_channels_is_the_per_head_decay():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 10, 2, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    g = -torch.rand(1, 10, 2, generator=gen, dtype=torch.float64)
+    gk = g[..., None].expand(1, 10, 2, 4)
+    for fn in (linear_attention_recurrent, lambda *a: linear_attention_chunked(*a, chunk_size=4)):
+        for a, b in zip(fn(q, k, v, g), fn(q, k, v, gk)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_a_bad_decay_shape_names_the_shapes():
+    q = torch.zeros(1, 3, 2, 4)
+    with pytest.raises(ValueError, match=r"log_decay must be \[B, T, H\]"):
+        linear_attention_recurrent(q, q, q, torch.zeros(1, 3, 2, 5))
+
+
+# ---- options ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, opts, option", [
+    ("mamba2", dict(head_dim=48), "head_dim"), ("mamba2", dict(d_state=0), "d_state"),
+    ("mamba2", dict(conv_size=-1), "conv_size"), ("mamba2", dict(expand=0), "expand"),
+    ("gla", dict(num_heads=3), "expand_k"), ("gla", dict(gate_logit_normalizer=0), "gate_logit_normalizer"),
+    ("gla", dict(gate_low_rank_dim=0), "gate_low_rank_dim"), ("gla", dict(norm_eps=0), "norm_eps"),
+])
+def test_bad_options_name_the_option(name, opts, option):
+    from memzoo.registry import build_layer
+
+    with pytest.raises(ValueError, match=option):
+        build_layer(name, 32, **opts)
