@@ -45,6 +45,8 @@ def _sizes() -> dict:
     out["fwmlp"] = [{}] + [{"intermediate_dim": h} for h in (4, 16, 64)]
     out["fwpkm"] = [{}] + [{"n_subkeys": n} for n in (8, 16, 32, 128)]
     out["linear"] = [{}] + [{"num_heads": 2, "head_dim": d} for d in (2, 4, 8, 32)]  # bench options: 4 heads of 16
+    out["mamba2"] = [{}] + [{"d_state": n} for n in (2, 4, 8, 64)]  # bench options: N = 16 keys, 4 heads of P = 32
+    out["gla"] = [{}] + [{"expand_k": e} for e in (0.125, 0.25, 1.0, 4.0)]  # bench options: keys D/2 in 4 heads
     return out
 
 
