@@ -3,8 +3,8 @@ and filter read them): a layer names its family by key (``MemoryLayer.family``).
 
 FAMILIES = {
     "hebbian": "Hebbian outer product",                    # S += k vᵀ (linear attention, Ba)
-    # S ← Diag(α_t) S + k vᵀ with a data-dependent decay (Mamba-2's SSD, GLA): the same write, but what
-    # is held fades at a rate the input chooses, so recall at equal state reads differently from the
+    # S ← Diag(α_t) S + k vᵀ with a decay (chosen by the input in Mamba-2's SSD and GLA, fixed per head in
+    # RetNet): the same write, but what is held fades, so recall at equal state reads differently from the
     # ungated sum's (a decayed memory forgets old pairs instead of piling up their crosstalk)
     "gated_hebbian": "gated Hebbian outer product",
     "delta": "delta rule",                                 # S += β k (v − Sᵀk)ᵀ and its gated / DPLR kin

@@ -110,6 +110,8 @@ LAYER_TESTS: dict[str, dict] = {
                      "train_steps": 600},  # the forget gate brings Gated DeltaNet's output gate (above)
     "kda": {"options": dict(num_heads=2, head_dim=16), "iterative": True},  # (as DeltaNet)
     "rwkv7": {"options": dict(num_heads=2, head_dim=16)},
+    # RetNet: 2 heads of K = 16 and V = 32 (the paper's widths d and 2d); swish output gate as Gated DeltaNet's
+    "retnet": {"options": dict(num_heads=2), "train_steps": 600},
     # the gated Hebbian memories: heads of 16 as the delta-rule layers'. Mamba-2: expand 1 and N = 16, so
     # 2 heads of P = 16 (the paper's E = 2, N = 128 would give a state 16x the peers'); its output is
     # gated by silu(z), so the memorisation property's brief training takes Gated DeltaNet's 600 steps

@@ -1,4 +1,4 @@
-"""The gated Hebbian memories (Mamba-2, GLA) against independent references, in fp64 on a CPU.
+"""The gated Hebbian memories (Mamba-2, GLA, RetNet) against independent references, in fp64 on a CPU.
 
 Each layer's recurrence, run as the layer runs it (the chunked op of memzoo/ops/linear_attention.py,
 chunks of 4 over a ragged length, from a nonzero initial state, on the keys, values, queries and
@@ -15,6 +15,8 @@ written here, is checked as well. Each check prints the largest difference it se
 - GLA (Yang et al. 2024, Eq. 3): ``naive_recurrent_gla`` reads with q / √K; the paper's o_t = S_tᵀ q_t
   has no scale. The layer folds fla's 1/√K into its query; the token loop of Eq. 3 checks the op
   without the scale.
+- RetNet (Sun et al. 2023, Eq. 6): fla's ``naive_retention`` is the parallel form from the zero state
+  (no state in or out, γ fixed inside it); the token loop of Eq. 6 checks the state and the decay.
 - The chunked op with a decay per key channel against the op's own recurrent reference (the op's
   two forms must agree; the recurrent form is in turn checked against fla above), at several chunk
   lengths, with strong decays.
@@ -243,9 +245,79 @@ def test_a_bad_decay_shape_names_the_shapes():
     ("mamba2", dict(conv_size=-1), "conv_size"), ("mamba2", dict(expand=0), "expand"),
     ("gla", dict(num_heads=3), "expand_k"), ("gla", dict(gate_logit_normalizer=0), "gate_logit_normalizer"),
     ("gla", dict(gate_low_rank_dim=0), "gate_low_rank_dim"), ("gla", dict(norm_eps=0), "norm_eps"),
+    ("retnet", dict(num_heads=3), "expand_k"), ("retnet", dict(num_heads=32), "expand_k"),
+    ("retnet", dict(rope_theta=0), "rope_theta"),
 ])
 def test_bad_options_name_the_option(name, opts, option):
     from memzoo.registry import build_layer
 
     with pytest.raises(ValueError, match=option):
         build_layer(name, 32, **opts)
+
+
+# ---- RetNet -------------------------------------------------------------------------------------
+retention = pytest.importorskip("fla.ops.retention.naive")
+
+
+def retnet_inputs(T: int = 21):
+    layer = tiny_layer("retnet", noise=0.05)
+    state = layer.init_state(2)
+    x = rand_x(2, T)
+    with torch.no_grad():
+        k, v, g = layer.keys_values(x, state)
+        q = layer.rotate(layer.q_proj(x), layer.positions(x, state))
+    return layer, state, q, k, v, g
+
+
+def test_retnet_decays_are_the_papers():
+    """γ_h = 1 − 2^{−5−h} (Sec. 2.2), the same as fla's naive_retention computes them."""
+    layer = tiny_layer("retnet", num_heads=4)
+    want = 1 - 2.0 ** (-5 - torch.arange(4, dtype=torch.float64))
+    torch.testing.assert_close(layer.log_gamma.exp(), want, rtol=0, atol=1e-15)
+
+
+def test_retnet_matches_fla_naive_retention():
+    """The retention of the rotated queries and keys as the layer runs it (chunks of 4, T = 21, from the
+    zero state) against fla's parallel ``naive_retention`` (q scaled by K^-½, γ_h its own): outputs and
+    the gradients of q, k, v. fla's reference has no initial or final state and a fixed decay: the state
+    and the decay's gradient are checked by the token loop of the paper's Eq. 6 below."""
+    layer, state, q, k, v, g = retnet_inputs()
+    q, k, v = leaves(q, k, v)
+    o, _ = linear_attention_chunked(layer.scale * q, k, v, g, state["S"], chunk_size=4)
+    with fp64(retention):
+        ref = retention.naive_retention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    gen = torch.Generator().manual_seed(9)
+    r = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    worst = (o - ref).abs().max().item()
+    assert worst <= TOL, f"retnet vs fla naive_retention: o differs by {worst:.3g}"
+    for a, b in zip(torch.autograd.grad((o * r).sum(), [q, k, v]), torch.autograd.grad((ref * r).sum(), [q, k, v])):
+        err = (a - b).abs().max().item()
+        assert err <= TOL, f"retnet vs fla naive_retention: a gradient differs by {err:.3g}"
+        worst = max(worst, err)
+    print(f"retnet vs fla naive_retention: largest difference {worst:.2e} (o, 3 input gradients)")
+
+
+def test_retnet_matches_the_papers_eq6_token_loop():
+    """S_n = γ S_{n-1} + K_nᵀ V_n, o_n = Q_n S_n / √K (Eq. 6, fla's scale), a token loop here, from a
+    nonzero state, against the op the layer runs: outputs, final state, gradients of q, k, v, log γ, S_0."""
+    layer, state, q, k, v, g = retnet_inputs()
+    S0 = initial_state(layer)["S"]
+    q, k, v, g, S0 = leaves(q, k, v, g, S0)
+    S, outs = S0, []
+    for n in range(q.shape[1]):
+        S = g[:, n].exp()[..., None, None] * S + k[:, n, :, :, None] * v[:, n, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", layer.scale * q[:, n], S))
+    check(linear_attention_chunked(layer.scale * q, k, v, g, S0, chunk_size=4), (torch.stack(outs, dim=1), S),
+          [q, k, v, g, S0], "retnet vs the paper's Eq. 6")
+
+
+def test_retnet_rotation_is_relative():
+    """Q_n K_mᵀ depends on n − m only (Eq. 5): a write and a read shifted by the same offset read the same."""
+    layer = tiny_layer("retnet", noise=0.05)
+    x = rand_x(2, 6)
+    outs = []
+    for start in (0, 37):
+        state = layer.init_state(2)
+        state["pos"] += start
+        outs.append(layer.forward_state(x, state)[0])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-12)

@@ -87,6 +87,13 @@ def gla(o: dict, d_model: int) -> int:
     return H * int(o["expand_k"] * d_model // H) * int(o["expand_v"] * d_model // H)
 
 
+def retnet(o: dict, d_model: int) -> int:
+    """RetNet (Sun et al. 2023, Eq. 6): one S ∈ R^{K×V} per head, K = expand_k·D/H, V = expand_v·D/H (γ is
+    fixed, no state); plus the position n the rotation Θ_n continues from (one integer)."""
+    H = o["num_heads"]
+    return H * int(o["expand_k"] * d_model // H) * int(o["expand_v"] * d_model // H) + 1
+
+
 def mom(o: dict) -> int:
     """MoM (Du et al. 2025, Eq. 6-7, 11-12): M routed gated-delta-rule memories S^m ∈ R^{K×V} per
     head, and the shared one S^s; the k and v short convolutions of each memory run along its own
@@ -188,6 +195,9 @@ COUNTS: dict[str, tuple[list[dict], Callable[[dict, int], int]]] = {
     "gla": ([dict(num_heads=2, expand_k=1.0, expand_v=1.0),
              dict(num_heads=4, expand_k=0.5, expand_v=2.0),
              dict(d_model=64, num_heads=2, expand_k=0.5, expand_v=1.0)], gla),
+    "retnet": ([dict(num_heads=2, expand_k=1.0, expand_v=2.0),
+                dict(num_heads=4, expand_k=0.5, expand_v=1.0),
+                dict(d_model=64, num_heads=2, expand_k=1.0, expand_v=1.0)], retnet),
     "mom": ([dict(num_memories=4, topk=2, shared_memory=True, num_heads=2, head_dim=16, expand_v=1.0, conv_size=4),
              dict(num_memories=3, topk=1, shared_memory=False, num_heads=4, head_dim=8, expand_v=2.0, conv_size=3)],
             lambda o, D: mom(o)),

@@ -47,6 +47,7 @@ def _sizes() -> dict:
     out["linear"] = [{}] + [{"num_heads": 2, "head_dim": d} for d in (2, 4, 8, 32)]  # bench options: 4 heads of 16
     out["mamba2"] = [{}] + [{"d_state": n} for n in (2, 4, 8, 64)]  # bench options: N = 16 keys, 4 heads of P = 32
     out["gla"] = [{}] + [{"expand_k": e} for e in (0.125, 0.25, 1.0, 4.0)]  # bench options: keys D/2 in 4 heads
+    out["retnet"] = [{}] + [{"expand_k": e} for e in (0.125, 0.25, 1.0, 4.0)]  # bench options: as GLA's
     return out
 
 
