@@ -535,7 +535,9 @@ def test_a_table_row_names_its_layers_write_rule_family():
     assert family("fwpkm/token") == "sparse slots"
     assert [family(n) for n in (BASELINE, "ctrl:attention", "ctrl:none", "paper/gdn", "gone")] == [""] * 5
     builtin = ["linear", "ba", "mom", "deltanet", "gated_deltanet", "deltaproduct", "kda", "rwkv7", "fwl", "fwmlp",
-               "lact", "ttt_linear", "ttt_mlp", "titans", "pkm", "fwpkm"]  # (a plugin's layer may name none)
+               "lact", "ttt_linear", "ttt_mlp", "titans", "pkm", "fwpkm", "mamba2", "gla", "retnet"]
+    # (a plugin's layer may name none)
+    assert family("mamba2") == family("gla") == family("retnet") == "gated Hebbian outer product"
     assert all(get_layer(n).family in FAMILIES for n in builtin)
     assert {family(n) for n in builtin} == set(FAMILIES.values())
     t = with_family(pd.DataFrame({"layer": ["mom", BASELINE], "d_model": [64, 64]}))
