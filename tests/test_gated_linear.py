@@ -12,8 +12,8 @@ written here, is checked as well. Each check prints the largest difference it se
   q = C, k = B, v = Δ x, g = Δ A and no scale: ``naive_recurrent_simple_gla(scale=1)``. The whole
   block (projection, short convolution, Δ, the SSD, D, the gated RMSNorm) is checked besides against
   fla's ``Mamba2.torch_forward`` with the layer's weights copied in.
-- GLA (Yang et al. 2024, Eq. 3): ``naive_recurrent_gla`` reads with q / √K; the paper's o_t = S_tᵀ q_t
-  has no scale. The layer folds fla's 1/√K into its query; the token loop of Eq. 3 checks the op
+- GLA (Yang et al. 2024, Sec. 4.1): ``naive_recurrent_gla`` reads with q / √K; the paper's o_t = S_tᵀ q_t
+  has no scale. The layer folds fla's 1/√K into its query; the token loop of Sec. 4.1's recurrence checks the op
   without the scale.
 - RetNet (Sun et al. 2023, Eq. 6): fla's ``naive_retention`` is the parallel form from the zero state
   (no state in or out, γ fixed inside it); the token loop of Eq. 6 checks the state and the decay.
@@ -188,8 +188,8 @@ def test_gla_matches_fla_naive_recurrent_gla():
     assert (S_w - S).abs().max().item() <= TOL
 
 
-def test_gla_matches_the_papers_eq3_token_loop():
-    """fla's reference scales the read by 1/√K; the paper's Eq. 3 does not: o_t = S_tᵀ q_t with
+def test_gla_matches_the_papers_recurrence_token_loop():
+    """fla's reference scales the read by 1/√K; the paper's recurrence (Sec. 4.1) does not: o_t = S_tᵀ q_t with
     S_t = (α_t 1ᵀ) ⊙ S_{t-1} + k_t v_tᵀ, as a token loop here, against the op on unscaled queries,
     and the decay α_t = sigmoid(W_α2 W_α1 x_t + b_α)^{1/τ} (Sec. 4.4) written out."""
     layer, state, q, k, v, g = gla_inputs()
@@ -203,7 +203,7 @@ def test_gla_matches_the_papers_eq3_token_loop():
         S = g[:, t].exp()[..., None] * S + k[:, t, :, :, None] * v[:, t, :, None, :]
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
     ref = (torch.stack(outs, dim=1), S)
-    check(linear_attention_chunked(q, k, v, g, S0, chunk_size=4), ref, [q, k, v, g, S0], "gla vs the paper's Eq. 3")
+    check(linear_attention_chunked(q, k, v, g, S0, chunk_size=4), ref, [q, k, v, g, S0], "gla vs the paper's Sec. 4.1 recurrence")
 
 
 # ---- the op with a decay per key channel ------------------------------------------------------------

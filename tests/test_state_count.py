@@ -72,7 +72,7 @@ def linear(o: dict) -> int:
 
 
 def mamba2(o: dict, d_model: int) -> int:
-    """Mamba-2 (Dao & Gu 2024, Eq. 1a with Sec. 3.1.2's scalar A): one h ∈ R^{N×P} per head, H = E·D / P
+    """Mamba-2 (Dao & Gu 2024, Eq. 1a with the SSD layer's scalar A): one h ∈ R^{N×P} per head, H = E·D / P
     heads (a_t, Δ_t, B_t, C_t are per token, no state); plus the history of the block's short
     convolution (size c) on [x, B, C], of width E·D + 2N (one group of B and C, Sec. 7.1-7.2)."""
     E, N, P = o["expand"], o["d_state"], o["head_dim"]
@@ -81,7 +81,7 @@ def mamba2(o: dict, d_model: int) -> int:
 
 
 def gla(o: dict, d_model: int) -> int:
-    """GLA (Yang et al. 2024, Eq. 3): one S ∈ R^{K×V} per head, K = expand_k·D/H, V = expand_v·D/H (α_t is
+    """GLA (Yang et al. 2024, Sec. 4.1): one S ∈ R^{K×V} per head, K = expand_k·D/H, V = expand_v·D/H (α_t is
     a vector a token, no state; no short convolution)."""
     H = o["num_heads"]
     return H * int(o["expand_k"] * d_model // H) * int(o["expand_v"] * d_model // H)

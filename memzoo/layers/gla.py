@@ -2,7 +2,7 @@
 Hardware-Efficient Training", arXiv 2312.06635) as a memory layer: the GLA layer of Sec. 4.4.
 
 Linear attention whose memory decays per key channel, at a rate the input chooses (Sec. 4.1,
-Eq. 3, in the [K, V] layout):
+in the [K, V] layout):
 
     S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ = (α_t 1ᵀ) ⊙ S_{t-1} + k_t v_tᵀ         S_t ∈ R^{K×V} per head
     o_t = S_tᵀ q_t                                                             (read: inclusive)
@@ -10,7 +10,7 @@ Eq. 3, in the [K, V] layout):
 The slow projections (Sec. 4.4, "GLA Transformer"):
 
     q_t = W_Q x_t,  k_t = W_K x_t,  v_t = W_V x_t                              no feature map, no bias
-    α_t = sigmoid(W_α2 W_α1 x_t + b_α)^{1/τ},  τ = 16                          low rank 16 (Eq. 4's gate)
+    α_t = sigmoid(W_α2 W_α1 x_t + b_α)^{1/τ},  τ = 16                          low rank 16 (Sec. 4.4)
     r_t = swish(W_r x_t)                                                       the output gate
     y_t = W_O (RMSNorm(o_t) ⊙ r_t)  per head
 
@@ -68,7 +68,7 @@ class GatedLinearAttention(MemoryLayer):
     family = "gated_hebbian"
     chunk_size = None
     per_sequence = True
-    #: forward writes token t, then reads it (Eq. 3's o_t reads S_t)
+    #: forward writes token t, then reads it (Sec. 4.1: o_t reads S_t)
     inclusive: ClassVar[bool] = True
     #: chunk length of the chunked op inside forward (any value is exact); its [C, C, K] decays stay small
     parallel_chunk: int = 16
@@ -136,7 +136,7 @@ class GatedLinearAttention(MemoryLayer):
         return self.output(torch.einsum("bthk,bhkv->bthv", self.query(x).to(S.dtype), S), x)
 
     def write_state(self, x: Tensor, state: State) -> State:
-        """S ← Diag(α_t) S + k_t v_tᵀ for every token of x, in order (Eq. 3)."""
+        """S ← Diag(α_t) S + k_t v_tᵀ for every token of x, in order (Sec. 4.1)."""
         return {"S": linear_attention_final_state(*self.keys_values(x), state["S"])}
 
     def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:

@@ -1,16 +1,16 @@
 """Mamba-2 (Dao & Gu 2024, "Transformers are SSMs: Generalized Models and Efficient Algorithms Through
 Structured State Space Duality", arXiv 2405.21060) as a memory layer: the Mamba-2 block (Sec. 7.1,
-Fig. 6) with its SSD layer, the selective SSM whose transition is a scalar per head (Sec. 3.1.2).
+Fig. 6) with its SSD layer, the selective SSM whose transition is a scalar times the identity per head.
 
-The SSM of one head, written as a fast-weight memory (Sec. 2.3's notation, Eq. 1a-1b, with the
-scalar-times-identity A of Sec. 3.1.2, discretised as Mamba's zero-order hold for A and Euler for B):
+The SSM of one head, written as a fast-weight memory (Eq. 1a-1b, with the SSD layer's
+scalar-times-identity A, discretised as Mamba's zero-order hold for A and Euler for B):
 
     h_t = a_t h_{t-1} + Δ_t B_t x_tᵀ        a_t = exp(Δ_t A) ∈ (0, 1)         (Eq. 1a; h_t ∈ R^{N×P})
     y_t = h_tᵀ C_t + D x_t                                                     (Eq. 1b, plus the skip D)
 
 with x_t ∈ R^P the head's slice of the block's input, B_t, C_t ∈ R^N shared by all heads (the
 multi-value pattern, Sec. 7.2: one group, fla's ``n_groups=1``), Δ_t a scalar per head. In the
-terms of linear attention (Sec. 4, the duality): B_t is a key, Δ_t x_t a value, C_t a query and
+terms of linear attention (the state space duality): B_t is a key, Δ_t x_t a value, C_t a query and
 a_t a per-head decay, S_t = a_t S_{t-1} + k_t v_tᵀ, o_t = S_tᵀ q_t; the recurrence is the shared op
 :mod:`memzoo.ops.linear_attention` (chunked: Sec. 6's SSD algorithm is its chunkwise form).
 
@@ -35,8 +35,8 @@ x_t's own write; written with h_{t-1},
 
     y_t = a_t C_tᵀ h_{t-1} + (Δ_t C_t·B_t + D) x_t
 
-is a read of the memory *so far* plus the token's own diagonal term (the SSD matrix's diagonal,
-Sec. 3.2.2, and the skip). So the layer is read-then-write per token (``inclusive = False``,
+is a read of the memory *so far* plus the token's own diagonal term (the diagonal of the SSD's
+semiseparable matrix, and the skip). So the layer is read-then-write per token (``inclusive = False``,
 ``chunk_size = None``): ``read_state`` computes this y_t from S and x alone, never writing;
 ``write_state`` applies h ← a h + Δ B xᵀ token by token; ``forward_state`` is the chunked SSD, equal to
 the per-token read-then-write. The query C_t and the skip's x_t are convolved like the write's
