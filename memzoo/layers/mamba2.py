@@ -96,12 +96,12 @@ class Mamba2(MemoryLayer):
     parallel_chunk: int = 64
     bench_cost = 1.3
 
-    def __init__(self, d_model: int, d_state: int = 128, head_dim: int = 64, expand: int = 2, conv_size: int = 4,
+    def __init__(self, d_model: int, d_state: int = 128, head_dim: int = 64, expand: float = 2, conv_size: int = 4,
                  norm_eps: float = 1e-5):
         super().__init__(d_model)
         inner = expand * d_model
-        if expand < 1 or inner != int(inner):
-            raise ValueError(f"expand must be >= 1 with expand * d_model an integer; got expand={expand}")
+        if not expand > 0 or inner != int(inner) or inner < 1:
+            raise ValueError(f"expand must be > 0 with expand * d_model a positive integer; got expand={expand}")
         inner = int(inner)
         if head_dim < 1 or inner % head_dim:
             raise ValueError(f"head_dim={head_dim} must divide expand * d_model = {inner} (H = expand * d_model / head_dim)")
