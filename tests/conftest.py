@@ -118,7 +118,7 @@ LAYER_TESTS: dict[str, dict] = {
     # (same reason: the gate's sign is random per query until W_in learns it)
     "mamba2": {"options": dict(d_state=16, head_dim=16, expand=1), "train_steps": 600},
     # GLA: expand_k 1 for keys of 16 (the paper's D/2 gives 8 at D = 32). Its swish output gate as above, and
-    # raw (not L2-normalised) q and k: 1200 steps (measured: docs/adding-a-layer.md, "What went wrong")
+    # raw (not L2-normalised) q and k: 1200 steps (docs/journal/toys.md, 2026-12-06)
     "gla": {"options": dict(num_heads=2, expand_k=1.0), "train_steps": 1200},
     # the test-time-training memories: 2 heads of 16, mini-batches / chunks of 4 (several in the suite's
     # sequences); gradient steps on a regression loss, so a second write corrects what the first left
