@@ -28,7 +28,7 @@ gets wrong is registered here (:func:`step_flops`):
   FlopCounterMode, its triangular solves by the formula registered here;
 - depthwise convolutions' backward (FlopCounterMode ignores `groups` there and overcounts the
   GDN short convolutions' backward by a factor of the channel count). The short convolutions run
-  as shifted multiply-adds (:mod:`memzoo.ops.short_conv`), which the counter would not see; on
+  as shifted multiply-adds (:mod:`memzoo.modules.conv`), which the counter would not see; on
   meta they run as the grouped conv1d they equal, and are counted as convolutions;
 - sparse gathers and scatters with arithmetic: embedding bags (PKM's weighted value sum and its
   two backward halves), index_add (FwPKM's value write), scatter_add and accumulating index_put

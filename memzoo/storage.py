@@ -94,7 +94,7 @@ def load_transposed(state_dict: dict, key: str, shape) -> None:
     written before 4e287eb hold transposed (with unit dimensions, as conv1d's [C, 1, c]): the tensor
     under `key`, if it is in that old layout, is replaced by its transpose in place. (Short
     convolutions and LaCT's q/k affine store their weights so that the channels run contiguously:
-    memzoo.ops.short_conv says why.)"""
+    memzoo.modules.conv says why.)"""
     w = state_dict.get(key)
     rows, cols = shape
     if w is not None and tuple(w.shape) != (rows, cols) and tuple(d for d in w.shape if d != 1) == (cols, rows):

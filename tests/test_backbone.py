@@ -115,7 +115,7 @@ def test_short_convolution_is_the_grouped_conv1d():
     (0, 0 | 1, 10, 100) give 3·1, 2·1 + 3·10, 1·1 + 2·10 + 3·100."""
     import torch.nn.functional as F
 
-    from memzoo.ops.short_conv import causal_conv
+    from memzoo.modules.conv import causal_conv
 
     torch.manual_seed(0)
     xp = torch.randn(2, 3 + 9, 5, dtype=torch.float64, requires_grad=True)
@@ -133,7 +133,7 @@ def test_short_convolutions_draw_conv1d_weights_and_load_its_layout():
     """GDN's and MoM's short convolutions store their weights taps first ([c, C]): drawn as
     nn.Conv1d draws its [C, 1, c] weight from the same seed, and a state dict in conv1d's layout
     (checkpoints saved before) loads into the same model."""
-    from memzoo.backbone.gdn import ShortConv
+    from memzoo.modules.conv import ShortConv
     from memzoo.layers.mom import MoM
 
     torch.manual_seed(0)

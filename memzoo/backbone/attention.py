@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memzoo.backbone.ffn import RMSNorm
-from memzoo.backbone.gdn import ShortConv
+from memzoo.modules.norm import RMSNorm
+from memzoo.modules.conv import ShortConv
 
 
 def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:

@@ -1,23 +1,9 @@
-"""Channel mixers and norms of the backbone: RMSNorm and the SwiGLU FFN (Table 3)."""
+"""The backbone's channel mixer: the SwiGLU FFN (Table 3). (Its RMSNorm: memzoo.modules.norm.)"""
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        # normalise in at least fp32 for stability (fp64 stays fp64), return in the input dtype
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(xf.dtype)).to(x.dtype)
 
 
 class SwiGLU(nn.Module):

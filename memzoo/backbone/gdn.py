@@ -14,37 +14,14 @@ recurrent state S, so split calls equal one call.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from memzoo.modules.conv import ShortConv
+from memzoo.modules.gates import mamba2_decay_init
+from memzoo.modules.norm import rms_norm
 from memzoo.ops.gated_delta_rule import gated_delta_rule
-from memzoo.ops.short_conv import causal_conv, conv_weights
-from memzoo.storage import load_transposed
-
-
-class ShortConv(nn.Module):
-    """Causal depthwise conv1d + SiLU whose left context streams across calls. Its weight is
-    stored taps first, [size, dim] (`memzoo.ops.short_conv` says why), drawn as nn.Conv1d draws
-    its [dim, 1, size] weight."""
-
-    def __init__(self, dim: int, size: int = 4):
-        super().__init__()
-        self.size = size
-        self.weight = nn.Parameter(conv_weights(dim, size))
-
-    def forward(self, x: Tensor, past: Tensor | None) -> tuple[Tensor, Tensor]:
-        # x [B, T, D]; past [B, size-1, D] = the previous call's last inputs (zeros at start)
-        if past is None:
-            past = x.new_zeros(x.shape[0], self.size - 1, x.shape[2])
-        xp = torch.cat([past, x], dim=1)
-        return F.silu(causal_conv(xp, self.weight)), xp[:, -(self.size - 1) :].detach()
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        load_transposed(state_dict, prefix + "weight", self.weight.shape)  # conv1d's [dim, 1, size] before
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class GatedDeltaNet(nn.Module):
@@ -70,10 +47,8 @@ class GatedDeltaNet(nn.Module):
         self.q_conv, self.k_conv, self.v_conv = (ShortConv(inner, conv_size) for _ in range(3))
         self.o_norm_weight = nn.Parameter(torch.ones(head_dim))
         self.eps = norm_eps
-        # Mamba-2 style init: decay rates A ~ U(0, 16), time steps dt ~ logU(1e-3, 1e-1)
-        self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(1e-4, 16).log())
-        dt = torch.exp(torch.rand(num_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        A_log, dt_bias = mamba2_decay_init(num_heads)  # Mamba-2's init at Gated DeltaNet's range of A
+        self.A_log, self.dt_bias = nn.Parameter(A_log), nn.Parameter(dt_bias)
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
 
@@ -95,8 +70,7 @@ class GatedDeltaNet(nn.Module):
             backend="auto-compiled",  # training's lengths repeat: each compiles once
         )
         # per-head RMSNorm of the read, gated by silu(W_g x)
-        of = o.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm_weight
+        of = rms_norm(o.float(), self.o_norm_weight, self.eps)
         gate = F.silu(self.g_proj(x).view(B, T, self.h, self.d).float())
         y = self.o_proj((of * gate).to(x.dtype).reshape(B, T, -1))
         return y, {"conv_q": cq, "conv_k": ck, "conv_v": cv, "S": S.detach()}

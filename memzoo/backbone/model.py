@@ -46,7 +46,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.utils import ModelOutput
 
 from memzoo.backbone.attention import GatedAttention
-from memzoo.backbone.ffn import RMSNorm, SwiGLU
+from memzoo.backbone.ffn import SwiGLU
+from memzoo.modules.norm import RMSNorm
 from memzoo.backbone.gdn import GatedDeltaNet
 from memzoo.backbone.layout import parse_layout
 from memzoo.config import ModelConfig

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers.base import MemoryLayer, State, head_size
-from memzoo.ops.short_conv import causal_conv_stream, conv_weights
+from memzoo.modules.conv import causal_conv_stream, conv_weights
+from memzoo.modules.precision import compute_dtype
 
 def linear(d_in: int, d_out: int, bias: bool = False) -> nn.Linear:
     """A slow projection: torch's default init (as the backbone's GDN), a bias at zero."""
@@ -81,7 +82,7 @@ class DeltaRuleMemory(MemoryLayer):
 
     # ---- helpers -------------------------------------------------------------------------------
     def cdtype(self) -> torch.dtype:
-        return torch.promote_types(self.o_proj.weight.dtype, torch.float32)
+        return compute_dtype(self.o_proj.weight)
 
     def heads(self, u: Tensor, d: int | None = None) -> Tensor:
         """[..., H·d] -> [..., H, d] (d = head_dim by default)."""
@@ -93,10 +94,6 @@ class DeltaRuleMemory(MemoryLayer):
         if name in self._convs:
             u, new[f"conv_{name}"] = causal_conv_stream(u, state[f"conv_{name}"], getattr(self, f"{name}_conv"))
         return F.silu(u)
-
-    def rmsnorm(self, o: Tensor, weight: Tensor) -> Tensor:
-        """Per-head RMSNorm of o [..., V] (fla's RMSNorm / FusedRMSNormGated before the gate)."""
-        return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * weight.to(o.dtype)
 
     # ---- state ---------------------------------------------------------------------------------
     def init_state(self, batch_size: int) -> State:

@@ -89,6 +89,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers.base import Compiled, MemoryLayer, State, state_precision, trains_on_cpu
+from memzoo.modules.precision import compute_dtype
 from memzoo.registry import register_layer
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": torch.relu, "tanh": torch.tanh}
@@ -329,7 +330,7 @@ class BaFastWeights(MemoryLayer):
 
     # ---- state ---------------------------------------------------------------------------
     def _state_dtype(self) -> torch.dtype:
-        return torch.promote_types(self.cell.W.dtype, torch.float32)
+        return compute_dtype(self.cell.W)
 
     def init_state(self, batch_size: int) -> State:
         R, w = self.cell.hidden_size, self.cell.W

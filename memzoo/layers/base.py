@@ -75,23 +75,15 @@ improves recall) lives on the test side, in tests/conftest.py.
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Callable, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from memzoo.families import FAMILIES  # noqa: F401  (how a layer writes its fast weights: the keys `family` names)
+from memzoo.modules.precision import state_precision  # noqa: F401  (layers import it from here too)
 
-
-def state_precision(device: torch.device):
-    """A context in which a layer's fast-weight math runs in the state's own dtype (>= fp32):
-    autocast off where the device has it (not on meta, where FLOPs are counted). Under bf16
-    autocast a matmul of fp32 fast weights would return bf16, and the state would be bf16 from
-    its first update on."""
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return nullcontext()
 
 class Compiled:
     """`fn` compiled by torch.compile (static shapes, one graph) on first call: for a layer's loop

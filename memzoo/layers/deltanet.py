@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from memzoo.layers._delta import DeltaRuleMemory, linear
 from memzoo.layers.base import State
+from memzoo.modules.norm import rms_norm
 from memzoo.ops.gated_delta_rule import gated_delta_rule
 from memzoo.registry import register_layer
 
@@ -88,4 +89,4 @@ class DeltaNet(DeltaRuleMemory):
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """y = W_o RMSNorm(o) per head."""
-        return self.o_proj(self.rmsnorm(o, self.o_norm_weight).flatten(-2).to(x.dtype))
+        return self.o_proj(rms_norm(o, self.o_norm_weight, self.eps).flatten(-2).to(x.dtype))

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from memzoo.layers._delta import DeltaRuleMemory, linear
 from memzoo.layers.base import State
-from memzoo.layers.gated_deltanet import mamba2_decay_init
+from memzoo.modules.gates import mamba2_decay_init
+from memzoo.modules.norm import rms_norm
 from memzoo.ops.gated_delta_rule import gated_delta_rule
 from memzoo.registry import register_layer
 
@@ -136,7 +137,7 @@ class DeltaProduct(DeltaRuleMemory):
         self.load_state({**state, **new})
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
-        o = self.rmsnorm(o, self.o_norm_weight)
+        o = rms_norm(o, self.o_norm_weight, self.eps)
         if self.forget_gate:
             o = o * F.silu(self.heads(self.g_proj(x).to(o.dtype), self.head_v_dim))
         return self.o_proj(o.flatten(-2).to(x.dtype))

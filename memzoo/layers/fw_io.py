@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from memzoo.backbone.ffn import RMSNorm
+from memzoo.modules.norm import RMSNorm
 
 
 def zscore(v: Tensor, eps: float = 1e-6) -> Tensor:

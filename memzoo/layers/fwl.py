@@ -90,6 +90,7 @@ import torch
 from torch import Tensor, nn
 
 from memzoo.layers.base import MemoryLayer, State
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops import fwl as ops
 from memzoo.ops.fwl import FAST, Head
 from memzoo.registry import register_layer
@@ -166,7 +167,7 @@ class FWL(MemoryLayer):
 
     # ---- state ------------------------------------------------------------------------------
     def _state_dtype(self) -> torch.dtype:
-        return torch.promote_types(self.U.dtype, torch.float32)
+        return compute_dtype(self.U)
 
     def init_state(self, batch_size: int) -> State:
         D, H = self.d_model, self.hidden

@@ -107,6 +107,7 @@ from torch import Tensor
 from memzoo.layers.base import MemoryLayer, State
 from memzoo.layers.fw_io import FastWeightIO, finite_tokens, from_variant
 from memzoo.layers.fw_io import write_pairs as chunk_pairs  # a chunk's pairs (not the adapter's write_pairs)
+from memzoo.modules.precision import compute_dtype
 from memzoo.registry import register_layer
 
 FAST_KEYS = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
@@ -261,7 +262,7 @@ class FwMLP(MemoryLayer):
 
     # ---- state ---------------------------------------------------------------------------
     def _state_dtype(self) -> torch.dtype:
-        return torch.promote_types(self.io.q_proj.weight.dtype, torch.float32)
+        return compute_dtype(self.io.q_proj.weight)
 
     def init_state(self, batch_size: int) -> State:
         """θ_0 as the release's reset_parameters, from the layer's seed (identical every call)."""

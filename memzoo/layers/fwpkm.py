@@ -88,6 +88,7 @@ from torch import Tensor
 
 from memzoo.layers.base import MemoryLayer, State
 from memzoo.layers.fw_io import FastWeightIO, finite_tokens, from_variant, write_pairs
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops import fwpkm as fw
 from memzoo.ops.product_key import Lookup, gather_rows
 from memzoo.registry import register_layer
@@ -178,7 +179,7 @@ class FwPKM(MemoryLayer):
         `reuse` (reset's old state): tensors of the right shape are refilled in place, since
         allocating a fresh per-sequence [B, n², Dv] costs more than the copy (page faults)."""
         dev = self.io.q_proj.weight.device
-        dt = torch.promote_types(self.io.q_proj.weight.dtype, torch.float32)  # fast weights: >= fp32
+        dt = compute_dtype(self.io.q_proj.weight)  # fast weights: >= fp32
         kshape = (self.heads, 2, self.n, self.key_dim // 2)
         vshape = (self.N, self.value_dim)
         if dev.type == "meta":

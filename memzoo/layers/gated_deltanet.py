@@ -18,31 +18,16 @@ since the decay is a scalar.) The recurrence is :mod:`memzoo.ops.gated_delta_rul
 
 from __future__ import annotations
 
-import math
-
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers._delta import linear
 from memzoo.layers.base import State
 from memzoo.layers.deltanet import DeltaNet
+from memzoo.modules.gates import mamba2_decay_init
+from memzoo.modules.norm import rms_norm
 from memzoo.ops.gated_delta_rule import gated_delta_rule
 from memzoo.registry import register_layer
-
-
-def dt_bias_init(n: int) -> Tensor:
-    """n time-step biases, Mamba-2's init: softplus(dt_bias) ~ logU(1e-3, 1e-1)."""
-    dt = torch.exp(torch.rand(n) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-    return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
-
-
-def mamba2_decay_init(n: int, a_range: tuple[float, float] = (1e-4, 16)) -> tuple[Tensor, Tensor]:
-    """(A_log, dt_bias) of n gates, Mamba-2's init: A ~ U(a_range), softplus(dt_bias) ~ logU(1e-3, 1e-1).
-    The default range is Gated DeltaNet's (fla's ``uniform_(0, 16)``, kept off 0 so log A is finite);
-    Mamba-2's own layer draws A ~ U(1, 16) (its ``A_init_range``: memzoo/layers/mamba2.py)."""
-    lo, hi = a_range
-    return torch.empty(n).uniform_(lo, hi).log(), dt_bias_init(n)
 
 
 @register_layer("gated_deltanet")
@@ -90,4 +75,4 @@ class GatedDeltaNet(DeltaNet):
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """y = W_o (RMSNorm(o) ⊙ silu(W_g x)) per head."""
         gate = F.silu(self.heads(self.g_proj(x).to(o.dtype), self.head_v_dim))
-        return self.o_proj((self.rmsnorm(o, self.o_norm_weight) * gate).flatten(-2).to(x.dtype))
+        return self.o_proj((rms_norm(o, self.o_norm_weight, self.eps) * gate).flatten(-2).to(x.dtype))

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from memzoo.layers._delta import linear
 from memzoo.layers.base import State
 from memzoo.layers.deltanet import DeltaNet
-from memzoo.layers.gated_deltanet import dt_bias_init
+from memzoo.modules.gates import dt_bias_init
+from memzoo.modules.norm import rms_norm
 from memzoo.ops.dplr_delta_rule import dplr_delta_rule
 from memzoo.registry import register_layer
 
@@ -82,4 +83,4 @@ class KimiDeltaAttention(DeltaNet):
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """y = W_o (RMSNorm(o) ⊙ sigmoid(W_g↑ W_g↓ x)) per head."""
         gate = torch.sigmoid(self.heads(self.g_proj(x).to(o.dtype), self.head_v_dim))
-        return self.o_proj((self.rmsnorm(o, self.o_norm_weight) * gate).flatten(-2).to(x.dtype))
+        return self.o_proj((rms_norm(o, self.o_norm_weight, self.eps) * gate).flatten(-2).to(x.dtype))

@@ -101,8 +101,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memzoo.backbone.ffn import RMSNorm
+from memzoo.modules.norm import RMSNorm
 from memzoo.layers.base import Compiled, MemoryLayer, State, state_precision, trains_on_cpu
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops.inner_loop import silu_grad
 from memzoo.ops.muon import newton_schulz5
 from memzoo.registry import register_layer
@@ -122,7 +123,7 @@ def rope(x: Tensor, pos: Tensor, head_dim: int, theta: float) -> Tensor:
     split into heads of ``head_dim``, at per-sequence positions pos [B, T]. Computed in x's dtype
     (at least fp32), so an fp64 layer stays exact."""
     B, T, D = x.shape
-    dt = torch.promote_types(x.dtype, torch.float32)
+    dt = compute_dtype(x)
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=x.device, dtype=dt) / head_dim)
     ang = pos.to(dt)[..., None] * inv_freq  # [B, T, r/2]
     cos, sin = torch.cat([ang, ang], -1).cos()[:, :, None], torch.cat([ang, ang], -1).sin()[:, :, None]
@@ -335,7 +336,7 @@ class LaCT(MemoryLayer):
 
     # ---- state ---------------------------------------------------------------------------
     def _state_dtype(self) -> torch.dtype:
-        return torch.promote_types(self.w1.dtype, torch.float32)
+        return compute_dtype(self.w1)
 
     def initial_weights(self) -> State:
         """W⁰ = the slow parameters, [H, ., .] (composed when low-rank)."""

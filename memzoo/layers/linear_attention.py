@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers.base import MemoryLayer, State, head_size
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
 from memzoo.registry import register_layer
 
@@ -160,7 +161,7 @@ class LinearAttentionMemory(MemoryLayer):
 
     # ---- state ---------------------------------------------------------------------------
     def _state_dtype(self) -> torch.dtype:
-        return torch.promote_types(self.q_proj.weight.dtype, torch.float32)
+        return compute_dtype(self.q_proj.weight)
 
     def init_state(self, batch_size: int) -> State:
         w = self.q_proj.weight

@@ -26,7 +26,7 @@ The block (Sec. 7.1, "Parallel parameter projections", Fig. 6 right), for width 
 Where the paper is silent, fla's layer (``fla/layers/mamba2.py``, ``Mamba2.__init__`` and
 ``torch_forward``) decides: no bias on W_in / W_out, a bias on the convolution; D one per head,
 initialised to 1; A ~ U(1, 16) (``A_init_range``) and softplus(dt_bias) ~ logU(1e-3, 1e-1) (the
-init is :func:`memzoo.layers.gated_deltanet.mamba2_decay_init`); no clamp on Δ (``dt_limit``
+init is :func:`memzoo.modules.gates.mamba2_decay_init`); no clamp on Δ (``dt_limit``
 (0, ∞)); the gate multiplies *before* the norm (``norm_before_gate=False``) and the RMSNorm runs
 over the whole E·D width (one group); no scale on the read (C_t is not divided by √N).
 
@@ -58,13 +58,12 @@ from torch import Tensor, nn
 
 from memzoo.layers._delta import linear
 from memzoo.layers.base import MemoryLayer, State
-from memzoo.layers.gated_deltanet import mamba2_decay_init
+from memzoo.modules.conv import causal_conv_stream, conv_weights
+from memzoo.modules.gates import MAMBA2_A_RANGE, mamba2_decay_init
+from memzoo.modules.norm import rms_norm
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
-from memzoo.ops.short_conv import causal_conv_stream, conv_weights
 from memzoo.registry import register_layer
-
-#: Mamba-2's range for A = exp(A_log) at init (fla's and mamba_ssm's ``A_init_range``)
-A_INIT_RANGE = (1.0, 16.0)
 
 
 def ssd_read(S: Tensor, C: Tensor, B: Tensor, x: Tensor, dt: Tensor, log_a: Tensor, D: Tensor) -> Tensor:
@@ -120,7 +119,7 @@ class Mamba2(MemoryLayer):
         if conv_size > 1:
             self.conv_weight = nn.Parameter(conv_weights(self.conv_dim, conv_size))
             self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim))
-        A_log, dt_bias = mamba2_decay_init(self.num_heads, A_INIT_RANGE)
+        A_log, dt_bias = mamba2_decay_init(self.num_heads, MAMBA2_A_RANGE)
         self.A_log, self.dt_bias = nn.Parameter(A_log), nn.Parameter(dt_bias)
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.A_log._no_weight_decay = self.dt_bias._no_weight_decay = self.D._no_weight_decay = True
@@ -129,7 +128,7 @@ class Mamba2(MemoryLayer):
 
     # ---- the slow projections ------------------------------------------------------------------
     def cdtype(self) -> torch.dtype:
-        return torch.promote_types(self.out_proj.weight.dtype, torch.float32)
+        return compute_dtype(self.out_proj.weight)
 
     def project(self, u: Tensor, state: State, new: State | None = None):
         """[z, x, B, C, Δ, log a] from u [B, T, D], the convolution continuing from state's history (its new
@@ -154,7 +153,7 @@ class Mamba2(MemoryLayer):
     def output(self, y: Tensor, z: Tensor, u: Tensor) -> Tensor:
         """out = W_out (RMSNorm(y ⊙ silu(z)) ⊙ w), the norm over the whole E·D width: y [B, T, H, P]."""
         g = y.flatten(-2) * F.silu(z)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.to(g.dtype)
+        g = rms_norm(g, self.norm_weight, self.eps)
         return self.out_proj(g.to(u.dtype))
 
     # ---- state ---------------------------------------------------------------------------------

@@ -104,8 +104,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers.base import MemoryLayer, State, head_size
+from memzoo.modules.norm import rms_norm
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops.gated_delta_rule import gated_delta_rule
-from memzoo.ops.short_conv import causal_conv, conv_weights
+from memzoo.modules.conv import causal_conv, conv_weights
 from memzoo.registry import register_layer
 from memzoo.storage import load_transposed
 
@@ -118,7 +120,7 @@ def load_balancing_loss(router_logits: Tensor, topk: int) -> Tensor:
     """
     M = router_logits.shape[-1]
     logits = router_logits.reshape(-1, M)
-    probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)
+    probs = logits.to(compute_dtype(logits)).softmax(-1)
     chosen = probs.topk(topk, dim=-1).indices
     f = torch.zeros_like(probs).scatter(-1, chosen, 1.0).mean(0)
     P = probs.mean(0)
@@ -236,7 +238,7 @@ class MoM(MemoryLayer):
 
     # ---- router (Eq. 3-4) ---------------------------------------------------------------------
     def _cdtype(self) -> torch.dtype:
-        return torch.promote_types(self.q_proj.weight.dtype, torch.float32)
+        return compute_dtype(self.q_proj.weight)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(router logits [B, T, M], full routing weights [B, T, M] (g_t on the top-k, 0
@@ -305,7 +307,7 @@ class MoM(MemoryLayer):
 
     def _output(self, o: Tensor, x: Tensor) -> Tensor:
         """y = W_o (RMSNorm(o) ⊙ silu(W_g' x)) per head (Eq. 10 as released)."""
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm_weight.to(o.dtype)
+        o = rms_norm(o, self.o_norm_weight, self.eps)
         gate = F.silu(self.g_proj(x).to(o.dtype)).unflatten(-1, (self.num_heads, self.head_v_dim))
         return self.o_proj((o * gate).flatten(-2).to(x.dtype))
 

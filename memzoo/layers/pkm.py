@@ -91,6 +91,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers.base import MemoryLayer, State
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops import product_key as pk
 from memzoo.ops.product_key import Lookup, lookup, pair_scores, selected_subkey_scores
 from memzoo.registry import register_layer
@@ -103,7 +104,7 @@ class QueryRMSNorm(nn.RMSNorm):
     and returned in the input dtype; float64 stays float64."""
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = x.to(compute_dtype(x))
         return F.rms_norm(xf, self.normalized_shape, self.weight.to(xf.dtype), self.eps).to(x.dtype)
 
 
@@ -250,7 +251,7 @@ class PKM(MemoryLayer):
             look = look._replace(scores=pair_scores(top, look.pair), sub_scores=top)
         else:
             look = lookup(q, self.subkeys, self.topk, score="dot")
-        acc = torch.promote_types(look.scores.dtype, torch.float32)  # softmax in >= fp32, as the release
+        acc = compute_dtype(look.scores)  # softmax in >= fp32, as the release
         weights = F.softmax(look.scores.to(acc), dim=-1)
         return look, weights
 

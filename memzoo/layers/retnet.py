@@ -44,6 +44,8 @@ from torch import Tensor, nn
 from memzoo.layers._delta import linear
 from memzoo.layers.base import MemoryLayer, State
 from memzoo.layers.lact import rope
+from memzoo.modules.norm import rms_norm
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
 from memzoo.registry import register_layer
 
@@ -106,7 +108,7 @@ class MultiScaleRetention(MemoryLayer):
 
     # ---- the slow projections ------------------------------------------------------------------
     def cdtype(self) -> torch.dtype:
-        return torch.promote_types(self.o_proj.weight.dtype, torch.float32)
+        return compute_dtype(self.o_proj.weight)
 
     def rotate(self, u: Tensor, pos: Tensor) -> Tensor:
         """(X W) ⊙ Θ at positions pos [B, T]: [B, T, H·K] -> [B, T, H, K]."""
@@ -125,7 +127,7 @@ class MultiScaleRetention(MemoryLayer):
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """MSR = W_O (swish(x W_G) ⊙ RMSNorm(o)) per head: o [B, T, H, V]."""
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.g_norm_weight.to(o.dtype)
+        o = rms_norm(o, self.g_norm_weight, self.eps)
         g = F.silu(self.g_proj(x).to(o.dtype)).unflatten(-1, (self.num_heads, self.head_v_dim))
         return self.o_proj((g * o).flatten(-2).to(x.dtype))
 

@@ -38,8 +38,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers.base import MemoryLayer, State, head_size, state_precision
+from memzoo.modules.norm import rms_norm
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops.inner_loop import mlp_backward, mlp_forward
-from memzoo.ops.short_conv import causal_conv_stream, conv_weights
+from memzoo.modules.conv import causal_conv_stream, conv_weights
 from memzoo.registry import register_layer
 
 FAST = ("W1", "W2")
@@ -153,7 +155,7 @@ class Titans(MemoryLayer):
 
     # ---- state -----------------------------------------------------------------------------------
     def _sdtype(self) -> torch.dtype:
-        return torch.promote_types(self.W1_0.dtype, torch.float32)
+        return compute_dtype(self.W1_0)
 
     def init_state(self, batch_size: int) -> State:
         """M_0 for every sequence (a differentiable copy of the slow weights), S = 0, empty conv histories."""
@@ -184,7 +186,7 @@ class Titans(MemoryLayer):
         q = F.normalize(F.silu(self._heads(self.q_proj(x).to(sd))), dim=-1)
         with state_precision(x.device):
             o = memory_read(q, {n: state[n] for n in FAST})
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm_weight.to(o.dtype)
+        o = rms_norm(o, self.o_norm_weight, self.eps)
         o = o * torch.sigmoid(self._heads(self.g_proj(x).to(o.dtype)))
         return self.o_proj(o.transpose(1, 2).flatten(-2).to(x.dtype))
 

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from memzoo.layers.base import MemoryLayer, State, head_size, state_precision
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops.inner_loop import layer_norm
 from memzoo.ops.ttt import KEYS, effective, f_res, ttt_scan
 from memzoo.registry import register_layer
@@ -124,7 +125,7 @@ class TTTLinear(MemoryLayer):
 
     # ---- state -----------------------------------------------------------------------------------
     def _sdtype(self) -> torch.dtype:
-        return torch.promote_types(self.W1_0.dtype, torch.float32)
+        return compute_dtype(self.W1_0)
 
     def init_state(self, batch_size: int) -> State:
         """W_0 for every sequence (a differentiable copy of the slow weights), G = 0, pos = 0."""

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from memzoo.layers.base import state_precision
+from memzoo.modules.precision import compute_dtype, state_precision
+
 
 
 def _check(q, k, v, a, b, gk, initial_state) -> None:
@@ -49,28 +50,6 @@ def _check(q, k, v, a, b, gk, initial_state) -> None:
     if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be [B, H, K, V] = [{B}, {H}, {K}, {v.shape[-1]}], "
                          f"got {tuple(initial_state.shape)}")
-
-
-def _dtype(*xs: Tensor | None) -> torch.dtype:
-    """fp32 normally, fp64 if any input is (the reference checks run in fp64)."""
-    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
-
-
-def dplr_delta_rule_recurrent(q, k, v, a, b, gk, scale: float = 1.0, initial_state=None,
-                              output_final_state: bool = False) -> tuple[Tensor, Tensor | None]:
-    """The definition, one token at a time (O(T) Python steps). Shapes as :func:`dplr_delta_rule`."""
-    _check(q, k, v, a, b, gk, initial_state)
-    B, T, H, K = q.shape
-    dt = _dtype(q, k, v, a, b, gk, initial_state)
-    q, k, v, a, b, gk = (x.to(dt) for x in (q, k, v, a, b, gk))
-    S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.to(dt)
-    outs = []
-    for t in range(T):
-        read = torch.einsum("bhk,bhkv->bhv", a[:, t], S)                          # a_tᵀ S_{t-1}
-        S = gk[:, t].exp()[..., None] * S + b[:, t, ..., None] * read[..., None, :] + k[:, t, ..., None] * v[:, t, :, None, :]
-        outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S))
-    o = torch.stack(outs, dim=1) if T else v.new_zeros(B, 0, H, v.shape[-1], dtype=dt)
-    return o.to(v.dtype), (S if output_final_state else None)
 
 
 def dplr_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor, scale: float = 1.0,
@@ -96,7 +75,7 @@ def dplr_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: T
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dt = _dtype(q, k, v, a, b, gk, initial_state)
+    dt = compute_dtype(q, k, v, a, b, gk, initial_state)
     h = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
     if T == 0:
         return v.new_zeros(B, 0, H, V), (h if output_final_state else None)

@@ -18,13 +18,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops import product_key as pk
 from memzoo.ops.product_key import Lookup, gather_rows, gather_values, pair_scores, selected_subkey_scores, subkey_rows
 
 
 def fp32(x: Tensor) -> Tensor:
     """Fast-weight math runs in at least fp32 (the release's fp32_fw)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return x.to(compute_dtype(x))
 
 
 @torch.compiler.disable

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from memzoo.modules.precision import compute_dtype
+
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -59,11 +61,6 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be [B, H, K, V] = [{B}, {H}, {K}, {v.shape[-1]}], "
                          f"got {tuple(initial_state.shape)}")
-
-
-def _compute_dtype(*xs: Tensor | None) -> torch.dtype:
-    """fp32 normally; fp64 if anything is fp64 (handy for tight tests / gradcheck)."""
-    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
 
 
 # -----------------------------------------------------------------------------
@@ -83,7 +80,7 @@ def gated_delta_rule_recurrent(
     _check_shapes(q, k, v, g, beta, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dt = _compute_dtype(q, k, v, g, beta, initial_state)
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
     scale = K ** -0.5 if scale is None else scale
 
     # head-first, compute dtype: [B, H, T, *]
@@ -134,7 +131,7 @@ def gated_delta_rule_chunked(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dt = _compute_dtype(q, k, v, g, beta, initial_state)
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
     out_dtype = v.dtype if v.dtype.is_floating_point else dt
     scale = K ** -0.5 if scale is None else scale
     h0 = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)

@@ -51,6 +51,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from memzoo.modules.precision import compute_dtype
+
 
 def _check(q: Tensor | None, k: Tensor, v: Tensor, log_decay: Tensor | None, initial_state: Tensor | None):
     if k.dim() != 4 or v.dim() != 4:
@@ -69,14 +71,6 @@ def _check(q: Tensor | None, k: Tensor, v: Tensor, log_decay: Tensor | None, ini
             f"initial_state must be [B, H, K, V] = [{B}, {H}, {K}, {V}] or None; got {tuple(initial_state.shape)}"
         )
     return B, T, H, K, V
-
-
-def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
-    dt = torch.float32
-    for t in ts:
-        if t is not None:
-            dt = torch.promote_types(dt, t.dtype)
-    return dt
 
 
 def causal_matmul(scores: Tensor, values: Tensor, diagonal: int = 0) -> Tensor:
@@ -109,7 +103,7 @@ def linear_attention_recurrent(
     Returns ``(o [B, T, H, V], final_state [B, H, K, V])``.
     """
     B, T, H, K, V = _check(q, k, v, log_decay, initial_state)
-    dt = _compute_dtype(q, k, v, log_decay, initial_state)
+    dt = compute_dtype(q, k, v, log_decay, initial_state)
     out_dtype = v.dtype
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
@@ -139,7 +133,7 @@ def linear_attention_final_state(
     Every exponent is ≤ 0, so this is stable for any T. Returns ``[B, H, K, V]``.
     """
     B, T, H, K, V = _check(None, k, v, log_decay, initial_state)
-    dt = _compute_dtype(k, v, log_decay, initial_state)
+    dt = compute_dtype(k, v, log_decay, initial_state)
     k, v = k.to(dt), v.to(dt)
     if log_decay is None:
         S = torch.einsum("bthk,bthv->bhkv", k, v)
@@ -189,7 +183,7 @@ def linear_attention_chunked(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     B, T, H, K, V = _check(q, k, v, log_decay, initial_state)
-    dt = _compute_dtype(q, k, v, log_decay, initial_state)
+    dt = compute_dtype(q, k, v, log_decay, initial_state)
     out_dtype = v.dtype
     S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
     if T == 0:

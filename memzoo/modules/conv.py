@@ -1,19 +1,15 @@
-"""The short convolution of GDN, MoM and the attention control: causal and depthwise.
+"""The short causal depthwise convolution of GDN, the delta-rule layers, Mamba-2, MoM, Titans
+and the attention control; its history streams across calls.
 
     y_t = Σ_{j<c} w_j ⊙ x_{t-c+1+j}          (per channel; x padded on the left with c-1 inputs)
 
 Written as c shifted multiply-adds rather than ``F.conv1d(groups=C)``: the same function (a
 cross-correlation, as conv1d computes), which torch.compile fuses with the SiLU after it into
-one kernel, forward and backward. On a CPU the grouped conv1d's backward is a slow path of its
-own: ~6 ms for each [64, 67, 128] convolution of a GDN toy step (six a step, ~400 ms in all; one
-thread, Intel Xeon). Compiled, one such convolution's forward and backward (bf16 autocast, SiLU
-included) took 12.7 ms as conv1d and 8.2 ms as the multiply-adds.
-
-The weights are stored taps first, ``w [c, C]`` (the transpose of conv1d's ``[C, 1, c]``), so that
-tap j's C weights lie side by side, as the inputs' channels do: torch.compile's CPU code then runs
-the multiply-adds in vector registers. With conv1d's layout the weight's stride along the channels
-is c, and inductor wrote every loop that reads it as scalar code (a transposed copy made in the
-graph is folded back into the strided read). Measured: docs/journal/performance.md.
+one kernel, forward and backward, where the grouped conv1d's backward on a CPU is a slow path of
+its own. The weights are stored taps first, ``w [c, C]`` (the transpose of conv1d's ``[C, 1, c]``),
+so that tap j's C weights lie side by side, as the inputs' channels do, and torch.compile's CPU
+code runs the multiply-adds in vector registers (with conv1d's layout it wrote scalar loops). The
+measurements: docs/journal/performance.md.
 """
 
 from __future__ import annotations
@@ -23,6 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from memzoo.storage import load_transposed
 
 
 def causal_conv(xp: Tensor, w: Tensor) -> Tensor:
@@ -49,3 +47,25 @@ def conv_weights(channels: int, size: int) -> Tensor:
     depthwise [channels, 1, size] weight (kaiming-uniform, fan_in = size), from the same numbers."""
     w = nn.init.kaiming_uniform_(torch.empty(channels, 1, size), a=math.sqrt(5))
     return w[:, 0].t().contiguous()
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise convolution + SiLU whose left context streams across calls (the backbone's
+    GDN mixer and the attention control). Its weight is stored taps first, [size, dim], drawn as
+    nn.Conv1d draws its [dim, 1, size] weight."""
+
+    def __init__(self, dim: int, size: int = 4):
+        super().__init__()
+        self.size = size
+        self.weight = nn.Parameter(conv_weights(dim, size))
+
+    def forward(self, x: Tensor, past: Tensor | None) -> tuple[Tensor, Tensor]:
+        """x [B, T, D]; past [B, size-1, D] = the previous call's last inputs (zeros at start)."""
+        if past is None:
+            past = x.new_zeros(x.shape[0], self.size - 1, x.shape[2])
+        y, past = causal_conv_stream(x, past, self.weight)
+        return F.silu(y), past.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        load_transposed(state_dict, prefix + "weight", self.weight.shape)  # conv1d's [dim, 1, size] before
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
