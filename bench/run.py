@@ -92,14 +92,12 @@ def plan(ctx: Context, layers: list[str], todo: list[str]) -> list[Job]:
     """Every job of a run, in the order the workers take them from one queue: the baseline's
     first, so that a run cut short holds the reference rows (and the toys' controls, which run
     with it); then the others costliest first, so that the last jobs taken, the short ones,
-    even out when the workers finish (a static share of layers per worker gave the two
-    workers of the standard toys 3.25 and 3.87 hours of the recorded cells' wall time). A
-    job's cost is its units of work (a suite's parts say their own) times its layer's
-    `bench_cost`. Within each of the two, the first job of every group goes before the second of
-    any: the jobs of a group compile the same graphs, and the later ones load them from the run's
-    cache (`compile_cache`) once the first has compiled them (a rerun of the standard toys:
-    the positive control's first AR cell took 135 s, the two started after it 19 and 24 s, all
-    200 steps), whereas queued side by side, two workers compiled them at once."""
+    even out when the workers finish (a static share of layers per worker does not). A job's
+    cost is its units of work (a suite's parts say their own) times its layer's `bench_cost`.
+    Within each of the two, the first job of every group goes before the second of any: the jobs
+    of a group compile the same graphs, and the later ones load them from the run's cache
+    (`compile_cache`) once the first has compiled them, where queued side by side two workers
+    would compile them at once. (The measurements behind both: docs/journal/bench.md.)"""
     jobs = []
     for layer in layers:
         whole = []

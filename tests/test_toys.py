@@ -147,22 +147,60 @@ def _ctx(tmp_path, resume=False, **over):
     return Context(preset=preset, seed=0, recorder=rec, work_dir=tmp_path / "work", progress=False, resume=resume)
 
 
-def test_defaults_are_the_common_base_and_the_main_job_gives_every_lr_a_reason():
+def test_defaults_are_the_common_base_and_the_main_job_looks_its_lrs_up():
     assert load_preset("_base").settings("toys", toys.Settings) == toys.Settings()
     load_preset("paper").settings("toys", toys.Settings).check()
     tiny = load_preset("tiny").settings("toys", toys.Settings)
     tiny.check()
-    # the main job: every lr a layer is given alone cites the published rows it comes from
-    assert set(tiny.layer_lrs) <= set(tiny.lr_from) and all(len(v) == 1 for v in tiny.layer_lrs.values())
-    assert tiny.origin("mom").startswith("recall") and tiny.origin("deltanet") == tiny.lr_from["*"]
+    # the main job copies no lr from a row: it names the preset whose rows it looks them up in
+    assert tiny.lr_of == ["recall"] and not tiny.layer_lrs and not tiny.lr_from
     assert toys.Settings().origin("mom") == "one lr given"
     assert toys.Settings(lrs=[1e-3, 3e-3]).origin("mom") == "chosen on validation among 2"
     # what the main job chooses for itself stays out of the presets based on the common base
     for name in ("standard", "recall", "capacity"):
         s = load_preset(name).settings("toys", toys.Settings)
-        assert not s.lr_from and "mom" not in s.layer_lrs, name
+        assert not s.lr_from and not s.lr_of and "mom" not in s.layer_lrs, name
     with pytest.raises(ConfigError, match="lr_from: unknown layer"):
         toys.Settings(lr_from={"nosuch": "x"}).check()
+
+
+def test_the_main_job_plans_the_lr_its_published_rows_chose_and_follows_a_new_row(tmp_path, monkeypatch):
+    """A row changed in the results file changes the lr the main job's plan trains a layer at, and the
+    cell's config (and hash) with it; a layer whose rows chose none takes the lr chosen most often."""
+    from memzoo.bench.suites.toys import lr as toys_lr
+    from memzoo.bench.suites.toys.plan import cell_config
+    from memzoo.bench.suites.toys.models import toy_config
+
+    def publish(mom_lr):
+        rows = [_recall_row("mom", seed, mom_lr) for seed in range(3)]
+        rows += [_recall_row(m, seed, 1e-3) for m in ("deltanet", "linear") for seed in range(3)]
+        rows += [_recall_row("fwpkm", seed, 3e-2, acc=0.03) for seed in range(3)]  # at chance: chose none
+        (tmp_path / "leaderboards").mkdir(exist_ok=True)
+        (tmp_path / "leaderboards" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        toys_lr.published_choice.cache_clear()
+        toys_lr.most_chosen.cache_clear()
+
+    def planned(layer):
+        s = load_preset("tiny").settings("toys", toys.Settings)
+        mc = toy_config(load_preset("tiny"), layer, 64, toys.TASK_TYPES["mqar"].vocab_of(s), s)
+        return cell_config(mc, "mqar", s, layer)["lrs"], s.origin(layer)
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        publish(3e-4)
+        assert planned("mom") == ([3e-4], "the lr recall's rows chose (0.0003)")
+        assert planned("fwpkm") == ([1e-3], "the lr recall's rows chose most often (0.001; none chose one for fwpkm)")
+        publish(1e-2)  # a new row of each seed: the plan follows it
+        assert planned("mom") == ([1e-2], "the lr recall's rows chose (0.01)")
+    finally:
+        toys_lr.published_choice.cache_clear()
+        toys_lr.most_chosen.cache_clear()
+
+
+def _recall_row(layer, seed, lr, acc=0.9):
+    return {"suite": "toys", "preset": "recall", "layer": layer, "seed": seed, "setting": {"task": "mqar", "d_model": 64},
+            "metrics": {"lr": lr, "accuracy": acc, "chance": 0.03, "lr_chosen": acc > 0.06, "stop": "capped"},
+            "config": {}, "config_hash": "h", "run_id": "r", "time": "2026-12-01T00:00:00Z"}
 
 
 def test_settings_are_checked(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+from collections import Counter
 
 
 def lr_grid(trainings: dict) -> tuple[float, bool]:
@@ -69,3 +70,15 @@ def published_choice(preset: str, model: str) -> float | None:
     chosen = sorted(r["metrics"]["lr"] for r in latest.values() if r["metrics"].get("lr_chosen", True)
                     and r["metrics"].get("stop") != "diverged" and r["metrics"].get("accuracy", 0) > 2 * r["metrics"]["chance"])
     return statistics.median_low(chosen) if chosen else None
+
+
+@functools.cache
+def most_chosen(preset: str) -> float | None:
+    """The lr `preset`'s published rows chose (`published_choice`) for the most models, ties to the
+    smaller; None if they chose none: the lr of a model that has no choice of its own there."""
+    from memzoo.bench.common import published_rows, read_results
+
+    path = published_rows()
+    models = sorted({r["layer"] for r in (read_results(path) if path else []) if r["suite"] == "toys" and r["preset"] == preset})
+    counts = Counter(lr for m in models if (lr := published_choice(preset, m)) is not None)
+    return min(counts, key=lambda lr: (-counts[lr], lr)) if counts else None

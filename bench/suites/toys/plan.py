@@ -76,9 +76,8 @@ def parts(ctx: Context, layer: str) -> list[tuple[tuple, float, tuple]]:
     tokens at the cap, a step's batch times the task's mean length, in steps of MQAR's batch) and
     its group: the cells of one model, task and width, which differ only in the seed and so
     compile the same graphs. A cell already recorded (with resume) compiles nothing and has no
-    group, so that the first of its group still to run goes first (the later ones then load its
-    graphs from the run's cache): resuming with every group's first seed recorded, two workers
-    had taken MoM's seeds 1 and 2 side by side and compiled the same graphs at once."""
+    group, so that the first of its group still to run goes first and the later ones load its
+    graphs from the run's cache (docs/journal/bench.md: two workers had compiled the same graphs at once)."""
     s = ctx.preset.settings(NAME, Settings)
     tokens = {t: TASK_TYPES[t].mean_length(s) for t in s.tasks}
     return [(cell, s.max_steps * len(s.candidates(cell[0])) * tokens[cell[1]] / s.mqar_seq_len,

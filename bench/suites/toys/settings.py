@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, field
 
-from memzoo.bench.common import BASELINE, CONTROLS, check_backbone, check_variants
+from memzoo.bench.common import BASELINE, CONTROLS, check_backbone, check_variants, published_rows
 from memzoo.bench.schema import TOYS_TASKS
 from memzoo.config import ConfigError
 from memzoo.data import assoc_retrieval as ar
 from memzoo.data import mqar
 
-from .lr import around, published_choice
+from .lr import around, most_chosen, published_choice
 
 NAME = "toys"
 TASKS = TOYS_TASKS
@@ -85,7 +86,8 @@ class Settings:
     # presets whose rows of the same cell (config hash, layer, setting, seed) count as recorded here
     reuse: list = field(default_factory=list)
     # presets whose published choice of a model's lr is its one lr here, the first that has one (a long-budget
-    # check at the lr a shorter budget chose: recall-state-10x.yaml)
+    # check at the lr a shorter budget chose: recall-state-10x.yaml; the main job: tiny.yaml); a model that none
+    # of them chose one for takes the lr the first of them chose most often (`lr.most_chosen`), else `lrs`
     lr_of: list = field(default_factory=list)
     # MQAR (zoology's multiquery_ar)
     mqar_vocab: int = 64
@@ -213,8 +215,18 @@ class Settings:
             return list(self.layer_lrs[layer])
         if (chosen := self._chosen(layer)) is not None:
             return [chosen[1]]
+        if (common := self._most_chosen()) is not None:
+            return [common[1]]
         centre = self._centre(layer)
         return around(centre) if centre else list(self.lrs)
+
+    def _most_chosen(self) -> tuple[str, float] | None:
+        """(the preset, its lr chosen most often) of the first preset of `lr_of` that chose any."""
+        if self.lr_of and published_rows() is None:
+            warnings.warn(f"toys.lr_of {self.lr_of}: no leaderboards/results.jsonl in the working directory, so no "
+                          f"published lr to look up: every layer takes toys.lrs {self.lrs} (run from the memzoo checkout)",
+                          stacklevel=2)
+        return next(((p, lr) for p in self.lr_of if (lr := most_chosen(p)) is not None), None)
 
     def _chosen(self, layer: str) -> tuple[str, float] | None:
         """(the preset, its published lr) of `lr_of` that chose the model's lr, if any."""
@@ -230,6 +242,8 @@ class Settings:
         n = len(self.candidates(layer))
         if layer not in self.layer_lrs and (chosen := self._chosen(layer)):
             return f"the lr {chosen[0]}'s rows chose ({chosen[1]:g})"
+        if layer not in self.layer_lrs and (common := self._most_chosen()):
+            return f"the lr {common[0]}'s rows chose most often ({common[1]:g}; none chose one for {layer})"
         if layer not in self.layer_lrs and (centre := self._centre(layer)):
             return f"chosen on validation among {n} around {self.lrs_around}'s {centre:g} ({self.size_of(layer)[0]})"
         given = self.lr_from.get(layer) or (self.lr_from.get("*") if layer not in self.layer_lrs else None)
