@@ -5,8 +5,8 @@
 here (``report.toys``, ...): ``tables(df)``, ``figures(df, out_dir)``, ``NOTE`` (the reading
 note: protocol text, no measured number) and optionally ``notes(rows, published)`` (lines
 printed under a run's tables), ``summary(df)`` (its clause of the line that ends a run's output,
-`print_closing`) and ``headline(section)`` (its cells of the overview that opens the leaderboard,
-``report.overview``). The suites themselves (``bench/suites/``) only measure.
+`print_closing`) and ``HEADLINES`` (its columns of the overview that opens the leaderboard, as data:
+``report.overview.Headline``; the tables they read tagged with `keyed`). The suites themselves (``bench/suites/``) only measure.
 
 Rendering reads nothing but results.jsonl, so the published tables and plots can always be
 regenerated and checked: the same file gives the same bytes (sorted rows, no clock, PNGs
@@ -185,14 +185,26 @@ class Section:
     problems: list | None  # what makes the harness invalid here (empty: valid; None: no harness check)
     rows: list  # the rows shown
     anchor: str = ""  # its id in both renderings (README.md's `<a id>`, the page's section), from the heading
-    headline: dict | None = None  # its cells of the overview: the suite's `headline(section)` ({} without one)
+    headline: dict | None = None  # its cells of the overview, from the suite's HEADLINES (`overview.headline`)
     lead_figures: list | None = None  # its figures the overview shows first (the suite's LEAD_FIGURES, with a headline)
+
+    def table(self, key: str):
+        """The table its suite tagged `key` (`keyed`), or None."""
+        return next((t for t in self.tables.values() if t.attrs.get("table") == key), None)
+
+
+def keyed(key: str, table):
+    """`table` tagged with the key by which the overview finds it (`Section.table`): a title is for readers."""
+    table.attrs["table"] = key
+    return table
 
 
 def sections(rows: list[dict], out: Path) -> list[Section]:
     """Every section of `rows`, with its figures drawn under ``out/figures``. Rows of a suite that
     no module renders are left out with a warning (as a torn last line is)."""
     import warnings
+
+    from memzoo.bench.report.overview import headline as overview_headline
 
     unknown = sorted({r["suite"] for r in rows} - set(NAMES) - {"failed"})
     if unknown:
@@ -213,7 +225,7 @@ def sections(rows: list[dict], out: Path) -> list[Section]:
             figures=list(mod.figures(df, out / "figures" / _folder(heading, preset))),
             problems=getattr(mod, "problems", lambda df: None)(df), rows=shown, anchor=anchor))
         sec = out_sections[-1]
-        sec.headline = getattr(mod, "headline", lambda sec: {})(sec)
+        sec.headline = overview_headline(sec, getattr(mod, "HEADLINES", ()))
         sec.lead_figures = [p for p in sec.figures if p.stem in getattr(mod, "LEAD_FIGURES", ())] if sec.headline else []
     return out_sections
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from memzoo.bench.common import BASELINE
-from memzoo.bench.report import machine, save_png, with_family
+from memzoo.bench.report import keyed, machine, save_png, with_family
+from memzoo.bench.report.overview import Headline
+
+RATIO = "× baseline's tokens/s"  # the paired throughput column: the overview's cost cell
 
 NOTE = """\
 **The two FLOPs columns.** *Table-2 style* is the paper's accounting, which we reconstructed and
@@ -112,7 +115,7 @@ def _layers(df):
         t[f"× baseline's {u}FLOP/s"] = (_col(df, "flops_per_s") / base).round(2).where(~noisy)  # not from a noisy timing
         # throughput against the baseline's timed beside it (the same step shape), else its row's
         base_step = _col(df, "baseline_step_s_beside").fillna(_col(df, "step_s")[(df["layer"] == BASELINE) & ~noisy].min())
-        t["× baseline's tokens/s"] = (base_step / _col(df, "step_s")).round(2).where(~noisy)
+        t[RATIO] = (base_step / _col(df, "step_s")).round(2).where(~noisy)
         t[f"peak {u}FLOP/s"] = (_col(df, "peak_flops_per_s") / sc).round(1)
         t["MFU %"] = (100 * _col(df, "mfu")).round(2).where(~noisy)
         if noisy.any():
@@ -129,9 +132,9 @@ def tables(df) -> dict:
     out = {}
     cfg = df.get("setting.config", pd.Series(None, index=df.index, dtype=object)).notna()
     if cfg.any():
-        out["Table 2 beside the paper: parameters, FLOPs of one training step, throughput"] = _table2(df[cfg])
+        out["Table 2 beside the paper: parameters, FLOPs of one training step, throughput"] = keyed("table2", _table2(df[cfg]))
     if (~cfg).any():
-        out["Cost per layer: parameters, FLOPs of one training step, measured throughput"] = _layers(df[~cfg])
+        out["Cost per layer: parameters, FLOPs of one training step, measured throughput"] = keyed("layers", _layers(df[~cfg]))
     return out
 
 
@@ -183,29 +186,24 @@ def reading(df) -> list[str]:
     return [f"{name(r)}: a noisy timing ({r['metrics.noisy']}), kept out of the ratio columns" for _, r in noisy.iterrows()]
 
 
-def headline(sec) -> dict:
-    """The overview's cost cell (`report.overview`): training throughput against the baseline's
-    (the table's paired column), and the parameters; ranked by the layers the section times (most
-    first: one machine's comparison of all of them), then the time of the rows."""
-    title = next((t for t in sec.tables if t.startswith("Cost per layer")), None)
-    col = "× baseline's tokens/s"
-    if title is None or col not in sec.tables[title].columns:
-        return {}
-    t = sec.tables[title].dropna(subset=[col])
-    rank = (len(t), max(r["time"] for r in sec.rows))
+def _cost_cell(sec, t, layer) -> str:
+    """Training throughput over the baseline's (the table's paired column), the parameters, the preset and processor."""
     where = " ".join(re.sub(r"\((R|TM)\)|\bProcessor\b|\bCPU\b", " ", machine(sec.rows[0])).split())
-    return {"cost: training tokens/s × baseline's": {
-        layer: (rank, f"{t.loc[layer, col]:.2f}× · {t.loc[layer, 'params (M)']:.2f} M params ({sec.preset}, {where})")
-        for layer in t.index}}
+    return f"{t.loc[layer, RATIO]:.2f}× · {t.loc[layer, 'params (M)']:.2f} M params ({sec.preset}, {where})"
+
+
+HEADLINES = (Headline(
+    column="cost: training tokens/s × baseline's", table="layers", value=RATIO, rank=("layers", "time"), text=_cost_cell,
+    layers=lambda sec, t: list(t[RATIO].dropna().index),  # a noisy timing has no ratio
+    why="a ratio is only comparable within one run on one machine: the section timing the most layers, then the latest"),)
 
 
 def summary(df) -> str:
     """One clause of what a run's cost rows show: each layer's training throughput against the
     baseline's (the table's paired column)."""
     tables_ = tables(df)
-    t = next((t for title, t in tables_.items() if title.startswith("Cost per layer")), None)
-    col = "× baseline's tokens/s"
-    if t is None or col not in t.columns:
+    t = next((t for t in tables_.values() if t.attrs.get("table") == "layers"), None)
+    if t is None or RATIO not in t.columns:
         return ""
-    parts = [f"{layer} {t.loc[layer, col]:.2f}x" for layer in t.index if layer != BASELINE and t.loc[layer, col] == t.loc[layer, col]]
+    parts = [f"{layer} {t.loc[layer, RATIO]:.2f}x" for layer in t.index if layer != BASELINE and t.loc[layer, RATIO] == t.loc[layer, RATIO]]
     return f"cost: training tokens/s against the baseline's: {', '.join(parts)}" if parts else ""

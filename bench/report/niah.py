@@ -6,8 +6,9 @@ import math
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci, mean_ci
 from memzoo.bench.report import (
-    fewer_seeds, layer_order, lm_lines, save_png, shared_count, versus, with_family, with_seed, with_texts,
+    fewer_seeds, keyed, layer_order, lm_lines, save_png, shared_count, versus, with_family, with_seed, with_texts,
 )
+from memzoo.bench.report.overview import Headline
 
 #: printed under the NIAH tables of the leaderboard
 NOTE = """**Reading the NIAH numbers.** Exact match is all six digits right, with a 95% Wilson interval
@@ -144,7 +145,7 @@ def tables(df) -> dict:
 
     over = "over samples" + ("; over trainings where seeds > 1" if several else "")
     title = f"NIAH exact-match accuracy (%) [95% interval {over}], length x n-iter"
-    out = {f"HARNESS INVALID ({'; '.join(bad)}): layer rows withheld; {title}" if bad else title: table(_cell)}
+    out = {f"HARNESS INVALID ({'; '.join(bad)}): layer rows withheld; {title}" if bad else title: keyed("exact", table(_cell))}
     if df.empty:
         return {title: with_family(t) for title, t in out.items()}
     over = "[95% interval over samples, within 0-100] where recorded" + ("; over trainings where seeds > 1" if several else "")
@@ -281,20 +282,17 @@ def problems(df) -> list[str]:
     return validity(df)
 
 
-def headline(sec) -> dict:
-    """The overview's NIAH cell (`report.overview`): exact match (%) with one memorization pass at
-    each length, marked as its table marks it; ranked by the seeds, then a preset other than the
-    tiny one, the lengths measured and the time of the rows."""
-    title = next((t for t in sec.tables if t.startswith("NIAH exact-match")), None)
-    if title is None:
-        return {}
-    t = sec.tables[title]
-    cols = [c for c in t.columns if str(c).endswith(" x1")]
-    rank = (len({r["seed"] for r in sec.rows}), sec.preset != "tiny", len(cols), max(r["time"] for r in sec.rows))
+def _short(text: str) -> str:
+    """A table cell without its interval, its ▲/▼ kept."""
+    return text.split(" [")[0] + "".join(m for m in (" ▲", " ▼") if m.strip() in text)
 
-    def short(text: str) -> str:
-        return text.split(" [")[0] + "".join(m for m in (" ▲", " ▼") if m.strip() in text)
 
-    return {"NIAH: exact match % by length": {
-        layer: (rank, " · ".join(f"{c[:-3]}: {short(str(t.loc[layer, c]))}" for c in cols if str(t.loc[layer, c]))
-                + f" ({sec.preset})") for layer in t.index}}
+def _niah_cell(sec, t, layer) -> str:
+    """Exact match (%) with one memorization pass at each length, as the table marks it, and the preset."""
+    cells = [f"{c[:-3]}: {_short(str(t.loc[layer, c]))}" for c in t.columns if str(c).endswith(" x1") and str(t.loc[layer, c])]
+    return " · ".join(cells) + f" ({sec.preset})"
+
+
+HEADLINES = (Headline(
+    column="NIAH: exact match % by length", table="exact", value="seeds", rank=("seeds", "not tiny", "lengths", "time"),
+    text=_niah_cell, why="the most trainings behind each number, then a published preset, the most lengths, the latest"),)

@@ -1,15 +1,18 @@
 """The overview: the leaderboard's first table, one row per layer (and published variant).
 
-Each suite's report module may define ``headline(section) -> {column: {layer: (rank, text)}}``:
-the cells it contributes and, for each, a rank (`report.sections` keeps them as ``section.headline``). A layer measured in several sections of a suite
-(presets, machines) gets the cell of its highest-ranked one (recall: its longest budget), and the
-cell links to that section. Nothing is computed here that the sections' tables do not show: a
-cell is a table's text, and the page or README beside it says where it comes from.
+Each suite's report module declares what it gives the overview as data, ``HEADLINES``: a
+:class:`Headline` per column, naming the table it reads (by the key `keyed` gave it, never by its
+title), the table's column, the criteria that rank a section above another (`RANK`) and why. A
+layer measured in several sections of a suite (presets, machines) gets the cell of its
+highest-ranked one, and the cell links to that section. Nothing is computed here that the
+sections' tables do not show: a cell is a table's text, and the page or README beside it says
+where it comes from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from memzoo.bench.schema import PAIRS_HELD_AT, RECALL_REACH, layer_order
 from memzoo.registry import family_of
@@ -30,6 +33,48 @@ second), with their intervals. *cost*: training tokens/s over the baseline's, ti
 section, and the parameters. Cells of the NIAH, PPL and cost columns come from the section with the
 most seeds (cost: the most layers), a preset other than the tiny one where both exist. An empty
 cell: not measured (or withheld by its section's harness check)."""
+
+
+#: what ranks a section of a suite above another for a layer's cell (`Headline.rank`), from the section,
+#: the headline's table and its column
+RANK: dict[str, Callable] = {
+    "seeds": lambda sec, t, col: len({r["seed"] for r in sec.rows}),    # more trainings behind each number
+    "not tiny": lambda sec, t, col: sec.preset != "tiny",               # a published preset over the main job's
+    "layers": lambda sec, t, col: int(t[col].notna().sum()),            # one run's comparison of the most layers
+    "lengths": lambda sec, t, col: sum(str(c).endswith(" x1") for c in t.columns),  # NIAH: the haystack lengths
+    "time": lambda sec, t, col: max(r["time"] for r in sec.rows),       # the latest measurement
+}
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One overview column a suite fills: the text of `value` in its table `table` per layer
+    (`text` formats it; `layers` picks the table's rows, default its index), from the section of the
+    suite that ranks first by `rank` (`RANK` criteria, compared in order), because `why`; only
+    sections of `preset` where one is named."""
+
+    column: str
+    table: str
+    value: str
+    rank: tuple
+    why: str
+    text: Callable  # (section, table, layer) -> the cell's text
+    layers: Callable | None = None  # (section, table) -> the layers it gives a cell, each a row label of the table
+    preset: str = ""
+
+    def cells(self, sec) -> dict:
+        """{layer: (rank, text)} of this column in section `sec` ({} where it gives none)."""
+        t = sec.table(self.table)
+        if (self.preset and sec.preset != self.preset) or t is None or self.value not in t.columns:
+            return {}
+        rank = tuple(RANK[c](sec, t, self.value) for c in self.rank)
+        layers = self.layers(sec, t) if self.layers else list(t.index)
+        return {layer: (rank, self.text(sec, t, layer)) for layer in layers}
+
+
+def headline(sec, headlines) -> dict:
+    """{column: {layer: (rank, text)}} of a section: its suite's `headlines` (`HEADLINES`)."""
+    return {h.column: cells for h in headlines if (cells := h.cells(sec))}
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from memzoo.bench.common import logit_ci, mean_ci
-from memzoo.bench.report import layer_order, save_png, with_family
+from memzoo.bench.report import keyed, layer_order, save_png, with_family
+from memzoo.bench.report.overview import Headline
 from memzoo.bench.schema import PAIRS_HELD_AT
 
 NAME = "pairs"
@@ -56,7 +57,7 @@ def tables(df) -> dict:
         t = pd.DataFrame(recs)
         t = t.sort_values(["layer", "state"], key=lambda c: c.map({n: i for i, n in enumerate(layer_order(t["layer"]))})
                           if c.name == "layer" else c, kind="stable")
-        out[f"Pairs held without training: {cond} keys, {gates} gates"] = with_family(t.reset_index(drop=True))
+        out[f"Pairs held without training: {cond} keys, {gates} gates"] = keyed(f"{cond}-{gates}", with_family(t.reset_index(drop=True)))
     return out
 
 
@@ -128,14 +129,20 @@ def figures(df, out_dir: Path) -> list[Path]:
     return paths
 
 
-def headline(sec) -> dict:
-    """The overview's cell: per layer at its bench size (random keys, neutral gates), the pairs held at
-    0.9 per 1k state numbers, beside the trained recall columns."""
-    cells = {}
-    for r in sec.rows:
-        st = r["setting"]
-        if st.get("top") and st.get("condition") == "random" and st.get("gates") == "neutral":
-            v = r["metrics"].get("held_per_1k_state")
-            cells[r["layer"]] = ((r["time"],), "" if v is None else f"{v:.2f} ({r['metrics']['held_mean']:.1f} of "
-                                                                      f"{r['metrics']['mem_state']:,} numbers)")
-    return {PAIRS_COLUMN: cells}
+def _bench_size(sec) -> dict:
+    """{layer: its row at its bench size} of the section (random keys, neutral gates)."""
+    return {r["layer"]: r for r in sec.rows if r["setting"].get("top") and r["setting"].get("condition") == "random"
+            and r["setting"].get("gates") == "neutral"}
+
+
+def _pairs_cell(sec, t, layer) -> str:
+    """The pairs held at 0.9 per 1k state numbers at the layer's bench size, and of how many numbers."""
+    m = _bench_size(sec)[layer]["metrics"]
+    v = m.get("held_per_1k_state")
+    return "" if v is None else f"{v:.2f} ({m['held_mean']:.1f} of {m['mem_state']:,} numbers)"
+
+
+HEADLINES = (Headline(
+    column=PAIRS_COLUMN, table="random-neutral", value="per 1k state", rank=("time",), text=_pairs_cell,
+    layers=lambda sec, t: list(_bench_size(sec)),
+    why="what the rule holds without training at the size the other columns measure: the latest measurement"),)

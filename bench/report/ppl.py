@@ -6,8 +6,9 @@ import math
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, POSITIVE, mean_ci
 from memzoo.bench.report import (
-    fewer_seeds, layer_order, lm_lines, save_png, shared_count, versus, with_family, with_seed, with_texts,
+    fewer_seeds, keyed, layer_order, lm_lines, save_png, shared_count, versus, with_family, with_seed, with_texts,
 )
+from memzoo.bench.report.overview import Headline
 from memzoo.bench.schema import PPL_MODES as MODES
 from memzoo.bench.schema import PPL_POSITIONS as POSITIONS
 
@@ -154,7 +155,7 @@ def tables(df) -> dict:
     over = " over sequences" + (" (over trainings where seeds > 1: a cell is then the seeds' mean ± its interval)"
                                 if several else "")
     res = {f"Loss (nats/token; gain = reset - carry ± 95% interval{over}, ▲/▼ where it excludes the baseline's 0: "
-           "what carried fast weights are worth)": with_texts(out, texts)}
+           "what carried fast weights are worth)": keyed("loss", with_texts(out, texts))}
     over = " (where seeds > 1: exp of the seeds' mean loss [exp of its 95% interval over trainings])" if several else ""
     res[f"Perplexity{over}"] = with_texts(ppl, ppl_texts)
     if not probe.empty:
@@ -176,8 +177,8 @@ def tables(df) -> dict:
             "gain": [_gains(by_layer[layer], None if layer == BASELINE else by_layer.get(BASELINE)) for layer in order],
         }, index=pd.Index(order, name="layer"))
         readings = (("metrics.first_loss", "first reading"), ("metrics.second_loss", "second reading"))
-        res[title] = with_texts(p, {(layer, col): text for layer in order for key, col in readings
-                                    if (text := _over_seeds(by_layer[layer][key], len(by_layer[layer]))) is not None})
+        res[title] = keyed("probe", with_texts(p, {(layer, col): text for layer in order for key, col in readings
+                                                   if (text := _over_seeds(by_layer[layer][key], len(by_layer[layer]))) is not None}))
     pos = sorted((c for c in carry.columns if c.startswith("metrics.by_position.")),
                  key=lambda c: POSITIONS.index(_edge(c)))
     if pos:
@@ -282,19 +283,16 @@ def problems(df) -> list[str] | None:
     return None if probe.empty else validity(probe)
 
 
-def headline(sec) -> dict:
-    """The overview's PPL cells (`report.overview`): the carried-state gain on the first corpus
-    and the repeated-passage probe's gain, as their tables show them; ranked by the seeds, then a
-    preset other than the tiny one, then the time of the rows."""
-    out = {}
-    seeds = len({r["seed"] for r in sec.rows})
-    rank = (seeds, sec.preset != "tiny", max(r["time"] for r in sec.rows))
-    for title, t in sec.tables.items():
-        if title.startswith("Loss"):
-            col = next((c for c in t.columns if str(c).endswith(" gain")), None)
-            if col is not None:
-                out["PPL: carried-state gain (nats)"] = {
-                    layer: (rank, f"{t.loc[layer, col]} ({col[:-len(' gain')]}, {sec.preset})") for layer in t.index}
-        elif title.startswith("Repeated-passage probe"):
-            out["PPL: re-reading gain (nats)"] = {layer: (rank, f"{t.loc[layer, 'gain']} ({sec.preset})") for layer in t.index}
-    return out
+def _carried_gain(sec, t, layer) -> str:
+    """The carried-state gain on the section's first corpus (the loss table's first gain column), as the table shows it."""
+    col = next((c for c in t.columns if str(c).endswith(" gain")), None)
+    return "" if col is None else f"{t.loc[layer, col]} ({col[:-len(' gain')]}, {sec.preset})"
+
+
+_WHY = "the most trainings behind each number, then a published preset, then the latest"
+HEADLINES = (
+    Headline(column="PPL: carried-state gain (nats)", table="loss", value="seeds", rank=("seeds", "not tiny", "time"),
+             text=_carried_gain, why=_WHY),
+    Headline(column="PPL: re-reading gain (nats)", table="probe", value="gain", rank=("seeds", "not tiny", "time"),
+             text=lambda sec, t, layer: f"{t.loc[layer, 'gain']} ({sec.preset})", why=_WHY),
+)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci
-from memzoo.bench.report import layer_order, save_png, with_family
+from memzoo.bench.report import keyed, layer_order, save_png, with_family
+from memzoo.bench.report.overview import Headline
 from memzoo.bench.schema import TOYS_TASKS as TASKS
 from memzoo.bench.schema import RECALL_REACH, slice_order
 
@@ -468,7 +469,7 @@ def tables(df) -> dict:
     if "preset" in df and STATE in set(df["preset"]) and not validity(df, "mqar"):
         table = state_table(df)
         if table is not None:
-            out[STATE_TITLE] = table
+            out[STATE_TITLE] = keyed("state", table)
     for task in [t for t in TASKS if t in set(df["setting.task"])]:
         title, sl = TITLES[task]
         d = df[df["setting.task"] == task]
@@ -483,7 +484,7 @@ def tables(df) -> dict:
             title += f" (withheld until every seed has run: {', '.join(partial[task])})"
         if task in gone:
             title += f" (withheld, the controls failing there: the rows measured on {'; '.join(gone[task])})"
-        out[title] = with_family(t.reset_index(drop=True))
+        out[title] = keyed(task, with_family(t.reset_index(drop=True)))
     first = df.sort_values("seed").groupby(["layer", "setting.task", "setting.d_model"], as_index=False).first()
     first = first[first["setting.task"] == next(t for t in TASKS if t in set(first["setting.task"]))]
     order = {n: i for i, n in enumerate(layer_order(first["layer"]))}
@@ -653,32 +654,42 @@ def problems(df) -> list[str]:
     return [f"{task}: {p}" for task in TASKS if task in set(df["setting.task"]) for p in validity(df, task)]
 
 
-def headline(sec) -> dict:
-    """The overview's recall cells (`report.overview`), from the state sweep's section alone (one
-    preset, one budget; `STATE`): per model (not its smaller sizes), the MQAR mean over slices at its
-    top size as its table shows it, its seeds' stops and the budget's cap, and the smallest state
-    whose seeds' mean reaches `RECALL_REACH` (the state table's). Every other section gives none."""
-    title = next((t for t in sec.tables if t.startswith(TITLES["mqar"][0])), None)
-    if sec.preset != STATE or title is None:
-        return {}
+def _top_sizes(sec, t) -> dict:
+    """{model: its row label in the MQAR table}: each model of the state sweep (not its smaller sizes) at its widest row."""
+    import pandas as pd
+
+    mqar = [r for r in sec.rows if r["setting"].get("task") == "mqar"]
+    of = model_of(pd.DataFrame([{"layer": r["layer"], "preset": r["preset"]} for r in mqar]))
+    out = {}
+    for i, rec in t.sort_values("d_model").iterrows():  # a layer's widest row stays
+        if of.get(rec["layer"], rec["layer"]) == rec["layer"]:
+            out[rec["layer"]] = i
+    return out
+
+
+def _cap(sec) -> str:
+    """The sequences a cell of the section may train on (its budget)."""
     mqar = [r for r in sec.rows if r["setting"].get("task") == "mqar"]
     caps = [r["config"]["train"]["max_steps"] * r["config"]["train"]["batch_size"] for r in mqar
             if "max_steps" in r["config"].get("train", {})]
-    cap = max(caps, default=max(r["metrics"].get("sequences", 0) for r in mqar))
-    import pandas as pd
+    return _count(max(caps, default=max(r["metrics"].get("sequences", 0) for r in mqar)))
 
-    t = sec.tables[title]
-    of = model_of(pd.DataFrame([{"layer": r["layer"], "preset": r["preset"]} for r in mqar]))
-    mean, stops, smallest = {}, {}, {}
-    for _, rec in t.sort_values("d_model").iterrows():  # a layer's widest row stays
-        if of.get(rec["layer"], rec["layer"]) != rec["layer"]:
-            continue
-        mean[rec["layer"]] = (0, rec["mean"])
-        stops[rec["layer"]] = (0, f"{rec['left chance']} left chance; {rec['stop']}; cap {_count(cap)} sequences ({sec.preset})")
-    st = sec.tables.get(STATE_TITLE)
-    for _, rec in (st.iterrows() if st is not None else ()):
-        smallest[rec["layer"]] = (0, rec[f"smallest state at {RECALL_REACH:g}"])
-    return {"recall: MQAR accuracy": mean, "recall: seeds, stops, budget": stops, f"recall: smallest state at {RECALL_REACH:g}": smallest}
+
+_WHY = "one preset, one budget for every layer: the state sweep alone (its top sizes are the recall preset's cells)"
+_SMALLEST = f"smallest state at {RECALL_REACH:g}"
+HEADLINES = (
+    Headline(column="recall: MQAR accuracy", table="mqar", value="mean", rank=(), preset=STATE, why=_WHY,
+             layers=lambda sec, t: list(_top_sizes(sec, t)),
+             text=lambda sec, t, layer: t.loc[_top_sizes(sec, t)[layer], "mean"]),
+    Headline(column="recall: seeds, stops, budget", table="mqar", value="stop", rank=(), preset=STATE, why=_WHY,
+             layers=lambda sec, t: list(_top_sizes(sec, t)),
+             text=lambda sec, t, layer: (f"{t.loc[_top_sizes(sec, t)[layer], 'left chance']} left chance; "
+                                         f"{t.loc[_top_sizes(sec, t)[layer], 'stop']}; cap {_cap(sec)} sequences ({sec.preset})")),
+    Headline(column=f"recall: {_SMALLEST}", table="state", value=_SMALLEST, rank=(), preset=STATE, why=_WHY,
+             layers=lambda sec, t: list(t["layer"]),
+             text=lambda sec, t, layer: t.set_index("layer").loc[layer, _SMALLEST]),
+)
+
 
 
 def summary(df) -> str:
