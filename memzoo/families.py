@@ -9,5 +9,7 @@ FAMILIES = {
     "gated_hebbian": "gated Hebbian outer product",
     "delta": "delta rule",                                 # S += β k (v − Sᵀk)ᵀ and its gated / DPLR kin
     "regression": "gradient steps on a regression loss",   # a small network trained on the sequence
-    "slots": "sparse slots",                               # a few of many key-value rows read and written
+    # key-value rows a query scores: a few of many read and written (PKM, FwPKM: top-k of sparse rows) or all of a
+    # few (GSA: m slots written through a forget gate, read by a softmax over them), so no longer "sparse slots"
+    "slots": "slots",
 }

@@ -532,12 +532,13 @@ def test_a_table_row_names_its_layers_write_rule_family():
 
     assert family("linear") == "Hebbian outer product" and family("deltanet") == "delta rule"
     assert family("lact/lr1e-3") == family("lact") == "gradient steps on a regression loss"
-    assert family("fwpkm/token") == "sparse slots"
+    assert family("fwpkm/token") == "slots"
     assert [family(n) for n in (BASELINE, "ctrl:attention", "ctrl:none", "paper/gdn", "gone")] == [""] * 5
     builtin = ["linear", "ba", "mom", "deltanet", "gated_deltanet", "deltaproduct", "kda", "rwkv7", "fwl", "fwmlp",
-               "lact", "ttt_linear", "ttt_mlp", "titans", "pkm", "fwpkm", "mamba2", "gla", "retnet"]
+               "lact", "ttt_linear", "ttt_mlp", "titans", "pkm", "fwpkm", "mamba2", "gla", "retnet", "hgrn2", "gsa"]
     # (a plugin's layer may name none)
-    assert family("mamba2") == family("gla") == family("retnet") == "gated Hebbian outer product"
+    assert family("mamba2") == family("gla") == family("retnet") == family("hgrn2") == "gated Hebbian outer product"
+    assert family("gsa") == family("pkm") == "slots"
     assert all(get_layer(n).family in FAMILIES for n in builtin)
     assert {family(n) for n in builtin} == set(FAMILIES.values())
     t = with_family(pd.DataFrame({"layer": ["mom", BASELINE], "d_model": [64, 64]}))

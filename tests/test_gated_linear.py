@@ -1,4 +1,5 @@
-"""The gated Hebbian memories (Mamba-2, GLA, RetNet) against independent references, in fp64 on a CPU.
+"""The gated linear-attention memories (Mamba-2, GLA, RetNet, HGRN-2, GSA) against independent references, in fp64
+on a CPU.
 
 Each layer's recurrence, run as the layer runs it (the chunked op of memzoo/ops/linear_attention.py,
 chunks of 4 over a ragged length, from a nonzero initial state, on the keys, values, queries and
@@ -17,9 +18,17 @@ written here, is checked as well. Each check prints the largest difference it se
   without the scale.
 - RetNet (Sun et al. 2023, Eq. 6): fla's ``naive_retention`` is the parallel form from the zero state
   (no state in or out, γ fixed inside it); the token loop of Eq. 6 checks the state and the decay.
-- The chunked op with a decay per key channel against the op's own recurrent reference (the op's
-  two forms must agree; the recurrent form is in turn checked against fla above), at several chunk
-  lengths, with strong decays.
+- HGRN-2 (Qin et al. 2024, Eq. 3) is GLA's recurrence with the key 1 − f_t: ``naive_recurrent_gla``, which
+  reads with q / √K as fla's HGRN-2 layer does (GLA's ops' default scale); the paper's y_t = o_t · h_t has
+  no scale, so a token loop of Eq. 3 checks the op without it, and the tie k_t = 1 − f_t. The whole block
+  besides against fla's ``HGRN2Attention`` with the layer's weights.
+- GSA (Zhang et al. 2024, Sec. 3): the two passes as the layer runs them (the chunked op, the first pass
+  with its decay per value channel) against fla's ``naive_recurrent_gsa`` (scale 1, as fla's layer), both
+  states included; a token loop of the paper's K̃, Ṽ and o_t = Ṽᵀ softmax(K̃ q) in its own [m, K] layout; the
+  whole block against fla's ``GatedSlotAttention``.
+- The chunked op with a decay per key channel, and with one per value channel (alone and beside a decay per
+  head or per key channel), against the op's own recurrent reference (the op's two forms must agree; the
+  recurrent form is in turn checked against fla above), at several chunk lengths, with strong decays.
 """
 
 from __future__ import annotations
@@ -48,13 +57,14 @@ def leaves(*ts):
 
 
 def check(ours, ref, inputs, what: str) -> float:
-    """The largest difference of (o, S) and of the gradients of a fixed random projection of them with
-    respect to every input; asserts each within TOL; returns (and prints) the largest."""
+    """The largest difference of (o, S) (or (o, S, S'): GSA's two states) and of the gradients of a fixed random
+    projection of them with respect to every input; asserts each within TOL; returns (and prints) the largest."""
     gen = torch.Generator().manual_seed(9)
-    ro, rs = (torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in ours)
-    grads = [torch.autograd.grad((o * ro).sum() + (S * rs).sum(), inputs, retain_graph=True) for o, S in (ours, ref)]
+    rand = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in ours]
+    grads = [torch.autograd.grad(sum((t * r).sum() for t, r in zip(out, rand)), inputs, retain_graph=True)
+             for out in (ours, ref)]
     worst = 0.0
-    for a, b, part in zip(ours, ref, ("o", "final state")):
+    for a, b, part in zip(ours, ref, ["o", "final state"] + [f"final state {i}" for i in range(2, len(ours))]):
         err = (a - b).abs().max().item()
         assert err <= TOL, f"{what}: {part} differs by {err:.3g}"
         worst = max(worst, err)
@@ -247,6 +257,10 @@ def test_a_bad_decay_shape_names_the_shapes():
     ("gla", dict(gate_low_rank_dim=0), "gate_low_rank_dim"), ("gla", dict(norm_eps=0), "norm_eps"),
     ("retnet", dict(num_heads=3), "expand_k"), ("retnet", dict(num_heads=32), "expand_k"),
     ("retnet", dict(rope_theta=0), "rope_theta"),
+    ("hgrn2", dict(expand_ratio=0), "expand_ratio"), ("hgrn2", dict(expand_ratio=5), "expand_ratio"),
+    ("hgrn2", dict(num_heads=3), "num_heads"), ("hgrn2", dict(expand_ratio=16, norm_eps=0), "norm_eps"),
+    ("gsa", dict(num_slots=0), "num_slots"), ("gsa", dict(num_heads=3), "expand_k"),
+    ("gsa", dict(expand_v=0.1), "expand_v"), ("gsa", dict(gate_logit_normalizer=0), "gate_logit_normalizer"),
 ])
 def test_bad_options_name_the_option(name, opts, option):
     from memzoo.registry import build_layer
@@ -321,3 +335,251 @@ def test_retnet_rotation_is_relative():
         state["pos"] += start
         outs.append(layer.forward_state(x, state)[0])
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-12)
+
+
+# ---- the op with a decay per value channel ------------------------------------------------------
+@pytest.mark.parametrize("rows", ["none", "per head", "per key"])
+@pytest.mark.parametrize("chunk", [1, 3, 8, 64])
+def test_chunked_per_value_decay_matches_the_recurrence(chunk, rows):
+    """S_t = Diag(α_t) S_{t-1} Diag(β_t) + k_t v_tᵀ, β_t down to exp(−6) a token, chunked against the op's
+    token loop; the final-state form too."""
+    gen = torch.Generator().manual_seed(10 + chunk)
+    B, T, H, K, V = 2, 19, 2, 5, 3
+    q, k, v = (torch.randn(B, T, H, d, generator=gen, dtype=torch.float64) for d in (K, K, V))
+    gv = -6 * torch.rand(B, T, H, V, generator=gen, dtype=torch.float64)
+    g = {"none": None, "per head": -torch.rand(B, T, H, generator=gen, dtype=torch.float64),
+         "per key": -3 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)}[rows]
+    S0 = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+    q, k, v, gv, S0 = leaves(q, k, v, gv, S0)
+    ref = linear_attention_recurrent(q, k, v, g, S0, log_decay_v=gv)
+    check(linear_attention_chunked(q, k, v, g, S0, chunk_size=chunk, log_decay_v=gv), ref, [q, k, v, gv, S0],
+          f"chunked (C={chunk}) vs recurrent, decay per value channel, rows {rows}")
+    assert (linear_attention_final_state(k, v, g, S0, log_decay_v=gv) - ref[1]).abs().max().item() <= TOL
+
+
+def test_the_recurrent_per_value_decay_scales_the_states_columns():
+    """One token from S_0 with k = v = 0: S_1 = S_0 Diag(β) exactly (the columns, not the rows)."""
+    gen = torch.Generator().manual_seed(3)
+    S0 = torch.randn(1, 1, 3, 4, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, 1, 1, 4, generator=gen, dtype=torch.float64)
+    zk, zv = torch.zeros(1, 1, 1, 3, dtype=torch.float64), torch.zeros(1, 1, 1, 4, dtype=torch.float64)
+    _, S1 = linear_attention_recurrent(zk, zk, zv, None, S0, log_decay_v=beta.log())
+    torch.testing.assert_close(S1, S0 * beta[0, 0, 0], rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match=r"log_decay_v must be \[B, T, H, V\]"):
+        linear_attention_recurrent(zk, zk, zv, None, S0, log_decay_v=beta[..., :3].log())
+
+
+# ---- HGRN-2 -------------------------------------------------------------------------------------
+def hgrn2_inputs(T: int = 21):
+    layer = tiny_layer("hgrn2", noise=0.05)
+    state = initial_state(layer)
+    x = rand_x(2, T)
+    with torch.no_grad():
+        o_gate = torch.nn.functional.silu(layer.heads(layer.q_proj(x), layer.head_dim))
+        k, v, log_f = layer.keys_values(x)
+    return layer, state, x, o_gate, k, v, log_f
+
+
+def test_hgrn2_matches_fla_naive_recurrent_gla():
+    """h_t = Diag(f_t) h_{t-1} + (1 − f_t) i_tᵀ, y_t = hᵀ o_t / √K as the layer runs it (chunks of 4, T = 21,
+    its query carrying the 1/√K) against fla's ``naive_recurrent_gla`` (which scales q by K^-½, the scale of
+    the GLA op that fla's HGRN-2 layer calls) on q = o_t, k = 1 − f_t, v = i_t, g = log f_t."""
+    layer, state, _, q, k, v, g = hgrn2_inputs()
+    q, k, v, g, S0 = leaves(q, k, v, g, state["S"])
+    ours = linear_attention_chunked(layer.scale * q, k, v, g, S0, chunk_size=4)
+    with fp64(gla_naive):
+        o, S = gla_naive.naive_recurrent_gla(q, k, v, g, initial_state=S0, output_final_state=True)
+    check(ours, (o, S), [q, k, v, g, S0], "hgrn2 vs fla naive_recurrent_gla")
+    assert (linear_attention_final_state(k, v, g, S0) - S).abs().max().item() <= TOL
+
+
+def test_hgrn2_matches_the_papers_eq3_token_loop():
+    """The key is 1 − f_t with f_t = sigmoid(W_f x_t), the query o_t = swish(W_o x_t), the value i_t = W_i x_t
+    (written out here); Eq. 3's h_t = Diag(f_t) h_{t-1} + (1 − f_t) ⊗ i_t, y_t = o_t · h_t (no scale: fla's
+    1/√K is the layer's query's) as a token loop, against the op on the unscaled query."""
+    layer, state, x, q, k, v, g = hgrn2_inputs()
+    with torch.no_grad():
+        f = torch.sigmoid(layer.f_proj(x)).unflatten(-1, (layer.num_heads, layer.head_dim))
+        i = layer.i_proj(x).unflatten(-1, (layer.num_heads, layer.head_v_dim))
+        o_gate = layer.q_proj(x) * torch.sigmoid(layer.q_proj(x))
+    torch.testing.assert_close(k, 1 - f, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g.exp(), f, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(v, i, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.query(x) * layer.head_dim ** 0.5, o_gate.unflatten(-1, (layer.num_heads, -1)),
+                               rtol=1e-12, atol=1e-12)
+    q, k, v, g, S0 = leaves(q, k, v, g, state["S"])
+    h, outs = S0, []
+    for t in range(q.shape[1]):
+        h = g[:, t].exp()[..., None] * h + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], h))
+    check(linear_attention_chunked(q, k, v, g, S0, chunk_size=4), (torch.stack(outs, dim=1), h), [q, k, v, g, S0],
+          "hgrn2 vs the paper's Eq. 3")
+
+
+def _quiet_fla_layer(build):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            return build().double()
+        finally:
+            logging.disable(logging.NOTSET)
+
+
+def _block_check(layer, ref, pairs, x, run_ref, what: str) -> float:
+    """y of the layer's forward against fla's layer's (from the zero state), and the gradients of the input
+    and of every slow weight (pairs: ours, theirs) of a fixed random projection of y."""
+    x = x.clone().requires_grad_(True)
+    xr = x.detach().clone().requires_grad_(True)
+    y, _ = layer.forward_state(x, layer.init_state(x.shape[0]))
+    y_ref = run_ref(xr)
+    r = torch.randn(y.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    ours, theirs = [x] + [a for a, _ in pairs], [xr] + [b for _, b in pairs]
+    g_ours = torch.autograd.grad((y * r).sum(), ours)
+    g_ref = torch.autograd.grad((y_ref * r).sum(), theirs)
+    worst = (y - y_ref).abs().max().item()
+    assert worst <= TOL, f"{what}: y differs by {worst:.3g}"
+    for i, (a, b) in enumerate(zip(g_ours, g_ref)):
+        err = (a - b).abs().max().item()
+        assert err <= TOL, f"{what}: gradient {i} (0 = x) differs by {err:.3g}"
+        worst = max(worst, err)
+    print(f"{what}: largest difference {worst:.2e} (y, {len(g_ours)} gradients)")
+    return worst
+
+
+def _rms_norm_linear_ref(x, norm_weight, norm_bias, linear_weight, linear_bias, eps=1e-5, **_):
+    from fla.modules.norm.layernorm import rms_norm_ref
+
+    return torch.nn.functional.linear(rms_norm_ref(x, norm_weight, norm_bias, eps=eps), linear_weight, linear_bias)
+
+
+def test_hgrn2_block_matches_fla_layer():
+    """The whole block (W_o, W_f, W_i, swish, the key 1 − f, the op, RMSNorm over the width, W_out) against fla's
+    ``HGRN2Attention`` with the layer's weights, its Triton pieces replaced by fla's torch references
+    (``naive_recurrent_gla``, ``rms_norm_ref``, F.silu for its swish): y and the gradients of x and every weight."""
+    fla_hgrn2 = pytest.importorskip("fla.layers.hgrn2")
+    layer = tiny_layer("hgrn2", noise=0.05)
+    layer.parallel_chunk = 4
+    with torch.no_grad():
+        layer.g_norm_weight.add_(0.3 * torch.randn(layer.d_model, generator=torch.Generator().manual_seed(2),
+                                                   dtype=torch.float64))
+    ref = _quiet_fla_layer(lambda: fla_hgrn2.HGRN2Attention(mode="fused_recurrent", hidden_size=32,
+                                                            expand_ratio=layer.head_dim, layer_idx=0))
+    pairs = [(layer.q_proj.weight, ref.q_proj.weight), (layer.f_proj.weight, ref.f_proj.weight),
+             (layer.i_proj.weight, ref.i_proj.weight), (layer.g_norm_weight, ref.g_norm.weight),
+             (layer.o_proj.weight, ref.o_proj.weight)]
+    with torch.no_grad():
+        for ours, theirs in pairs:
+            theirs.copy_(ours)
+
+    def naive(q, k, v, gk, initial_state=None, output_final_state=False, **_):
+        with fp64(gla_naive):
+            return gla_naive.naive_recurrent_gla(q, k, v, gk, initial_state=initial_state,
+                                                 output_final_state=output_final_state)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fla_hgrn2, "fused_recurrent_gla", naive)
+        mp.setattr(fla_hgrn2, "swish", torch.nn.functional.silu)
+        mp.setattr(fla_hgrn2, "rms_norm_linear", _rms_norm_linear_ref)
+        _block_check(layer, ref, pairs, rand_x(2, 21), lambda x: ref(x)[0], "hgrn2 block vs fla HGRN2Attention")
+
+
+# ---- GSA ----------------------------------------------------------------------------------------
+gsa_naive = pytest.importorskip("fla.ops.gsa.naive")
+
+
+def gsa_inputs(T: int = 21):
+    layer = tiny_layer("gsa", noise=0.05)
+    state = layer.init_state(2)
+    gen = torch.Generator().manual_seed(5)
+    for name in ("Sk", "Sv"):
+        state[name] = 0.3 * torch.randn(state[name].shape, generator=gen, dtype=torch.float64)
+    x = rand_x(2, T)
+    with torch.no_grad():
+        q = layer.query(x)
+        k, v, s, log_alpha = layer.keys_values(x)
+    return layer, state, x, q, k, v, s, log_alpha
+
+
+def test_gsa_matches_fla_naive_recurrent_gsa():
+    """The two passes as the layer runs them (``gsa_chunked``: the op at chunks of 4, T = 21, from nonzero
+    K̃ᵀ and Ṽ) against fla's ``naive_recurrent_gsa`` with scale 1 (fla's layer's): the outputs, both final
+    states, and the gradients of q, k, v, 1 − α, log α and both initial states."""
+    from memzoo.layers.gsa import gsa_chunked
+
+    _, state, _, q, k, v, s, g = gsa_inputs()
+    q, k, v, s, g, Sk, Sv = leaves(q, k, v, s, g, state["Sk"], state["Sv"])
+    ours = gsa_chunked(q, k, v, s, g, Sk, Sv, chunk_size=4)
+    with fp64(gsa_naive):
+        o, (hk, hv) = gsa_naive.naive_recurrent_gsa(q, k, v, s, g, scale=1.0, initial_state=(Sk, Sv),
+                                                    output_final_state=True)
+    check(ours, (o, hk, hv), [q, k, v, s, g, Sk, Sv], "gsa vs fla naive_recurrent_gsa")
+
+
+def test_gsa_matches_the_papers_token_loop():
+    """Sec. 3 in the paper's layout, a token loop here: K̃_t = Diag(α_t) K̃_{t-1} + (1 − α_t) ⊗ k_t ∈ R^{m×K},
+    Ṽ_t = Diag(α_t) Ṽ_{t-1} + (1 − α_t) ⊗ v_t ∈ R^{m×V}, o_t = Ṽ_tᵀ softmax(K̃_t q_t), with α_t =
+    sigmoid(W_α x_t)^{1/τ} (τ = 8) and q, k, v = swish(W x) written out; against the layer's ``gsa_chunked``
+    (its K̃ᵀ compared transposed), and the layer's read of x_t after its write."""
+    from memzoo.layers.gsa import gsa_chunked
+
+    layer, state, x, q, k, v, s, g = gsa_inputs()
+    with torch.no_grad():
+        alpha = torch.sigmoid(layer.f_proj(x)).unflatten(-1, (layer.num_heads, layer.num_slots)) ** (1 / 8)
+        sw = {n: (lambda u: u * torch.sigmoid(u))(getattr(layer, n)(x)).unflatten(-1, (layer.num_heads, -1))
+              for n in ("q_proj", "k_proj", "v_proj")}
+    torch.testing.assert_close(g.exp(), alpha, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s, 1 - alpha, rtol=1e-12, atol=1e-12)
+    for a, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")):
+        torch.testing.assert_close(a, sw[n], rtol=1e-12, atol=1e-12)
+    q, k, v, s, g, Sk, Sv = leaves(q, k, v, s, g, state["Sk"], state["Sv"])
+    Kt, Vt, outs = Sk.transpose(-1, -2), Sv, []
+    for t in range(q.shape[1]):
+        a = g[:, t].exp()[..., None]  # [B, H, m, 1]
+        Kt = a * Kt + s[:, t, :, :, None] * k[:, t, :, None, :]
+        Vt = a * Vt + s[:, t, :, :, None] * v[:, t, :, None, :]
+        p = torch.einsum("bhmk,bhk->bhm", Kt, q[:, t]).softmax(-1)
+        outs.append(torch.einsum("bhmv,bhm->bhv", Vt, p))
+    o, Sk_T, Sv_T = gsa_chunked(q, k, v, s, g, Sk, Sv, chunk_size=4)
+    check((o, Sk_T.transpose(-1, -2), Sv_T), (torch.stack(outs, dim=1), Kt, Vt), [q, k, v, s, g, Sk, Sv],
+          "gsa vs the paper's Sec. 3 recurrence")
+    # the verbs: writing x then reading it is the paper's o_T through the layer's output
+    with torch.no_grad():
+        st = layer.write_state(x, {n: t.detach() for n, t in state.items()})
+        want = layer.output(outs[-1].detach()[:, None], x[:, -1:])
+        err = (layer.read_state(x[:, -1:], st) - want).abs().max().item()
+    assert err <= TOL, f"gsa: read after write differs from the paper's o_T by {err:.3g}"
+
+
+def test_gsa_block_matches_fla_layer():
+    """The whole block (W_q, W_k, W_v with swish, W_α at τ = 8, the two passes, RMSNorm(swish(o)), W_O) against
+    fla's ``GatedSlotAttention`` with the layer's weights, its Triton pieces replaced by fla's torch references
+    (``naive_recurrent_gsa``, ``rms_norm_ref``, F.silu for its swish feature map): y and the gradients of x and
+    every weight."""
+    fla_gsa = pytest.importorskip("fla.layers.gsa")
+    import fla.modules.feature_map as fm
+
+    layer = tiny_layer("gsa", noise=0.05)
+    layer.parallel_chunk = 4
+    with torch.no_grad():
+        layer.g_norm_weight.add_(0.3 * torch.randn(layer.value_dim, generator=torch.Generator().manual_seed(2),
+                                                   dtype=torch.float64))
+    ref = _quiet_fla_layer(lambda: fla_gsa.GatedSlotAttention(
+        mode="chunk", hidden_size=32, num_heads=layer.num_heads, num_slots=layer.num_slots, layer_idx=0))
+    pairs = [(layer.q_proj.weight, ref.q_proj.weight), (layer.k_proj.weight, ref.k_proj.weight),
+             (layer.v_proj.weight, ref.v_proj.weight), (layer.f_proj.weight, ref.f_proj.weight),
+             (layer.g_norm_weight, ref.g_norm.weight), (layer.o_proj.weight, ref.o_proj.weight)]
+    with torch.no_grad():
+        for ours, theirs in pairs:
+            theirs.copy_(ours)
+
+    def naive(q, k, v, s, g, initial_state=None, output_final_state=False, scale=None, **_):
+        with fp64(gsa_naive):
+            return gsa_naive.naive_recurrent_gsa(q, k, v, s, g, scale=scale, initial_state=initial_state,
+                                                 output_final_state=output_final_state)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fla_gsa, "fused_recurrent_gsa", naive)
+        mp.setattr(fm, "swish", torch.nn.functional.silu)
+        mp.setattr(fla_gsa, "rms_norm_linear", _rms_norm_linear_ref)
+        _block_check(layer, ref, pairs, rand_x(2, 21), lambda x: ref(x)[0], "gsa block vs fla GatedSlotAttention")

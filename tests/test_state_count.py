@@ -94,6 +94,21 @@ def retnet(o: dict, d_model: int) -> int:
     return H * int(o["expand_k"] * d_model // H) * int(o["expand_v"] * d_model // H) + 1
 
 
+def hgrn2(o: dict, d_model: int) -> int:
+    """HGRN-2 (Qin et al. 2024, Eq. 3): one h ∈ R^{K×V} per head, K = expand_ratio, H = num_heads (or D / K),
+    V = D / H (the input i_t is D wide); f_t, o_t, i_t are per token, no state."""
+    K = o["expand_ratio"]
+    H = o["num_heads"] or d_model // K
+    return H * K * (d_model // H)
+
+
+def gsa(o: dict, d_model: int) -> int:
+    """GSA (Zhang et al. 2024, Sec. 3): per head the m slots' keys K̃ ∈ R^{m×K} and values Ṽ ∈ R^{m×V}, K =
+    expand_k·D/H, V = expand_v·D/H; α_t is per token, no state."""
+    H, m = o["num_heads"], o["num_slots"]
+    return H * m * (int(o["expand_k"] * d_model // H) + int(o["expand_v"] * d_model // H))
+
+
 def mom(o: dict) -> int:
     """MoM (Du et al. 2025, Eq. 6-7, 11-12): M routed gated-delta-rule memories S^m ∈ R^{K×V} per
     head, and the shared one S^s; the k and v short convolutions of each memory run along its own
@@ -198,6 +213,12 @@ COUNTS: dict[str, tuple[list[dict], Callable[[dict, int], int]]] = {
     "retnet": ([dict(num_heads=2, expand_k=1.0, expand_v=2.0),
                 dict(num_heads=4, expand_k=0.5, expand_v=1.0),
                 dict(d_model=64, num_heads=2, expand_k=1.0, expand_v=1.0)], retnet),
+    "hgrn2": ([dict(expand_ratio=16, num_heads=None),
+               dict(expand_ratio=4, num_heads=2),
+               dict(d_model=64, expand_ratio=4, num_heads=None)], hgrn2),
+    "gsa": ([dict(num_heads=2, num_slots=8, expand_k=1.0, expand_v=1.0),
+             dict(num_heads=4, num_slots=3, expand_k=0.5, expand_v=2.0),
+             dict(d_model=64, num_heads=2, num_slots=16, expand_k=0.25, expand_v=1.0)], gsa),
     "mom": ([dict(num_memories=4, topk=2, shared_memory=True, num_heads=2, head_dim=16, expand_v=1.0, conv_size=4),
              dict(num_memories=3, topk=1, shared_memory=False, num_heads=4, head_dim=8, expand_v=2.0, conv_size=3)],
             lambda o, D: mom(o)),
