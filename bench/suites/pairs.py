@@ -48,6 +48,10 @@ def _sizes() -> dict:
     out["mamba2"] = [{}] + [{"d_state": n} for n in (2, 4, 8, 64)]  # bench options: N = 16 keys, 4 heads of P = 32
     out["gla"] = [{}] + [{"expand_k": e} for e in (0.125, 0.25, 1.0, 4.0)]  # bench options: keys D/2 in 4 heads
     out["retnet"] = [{}] + [{"expand_k": e} for e in (0.125, 0.25, 1.0, 4.0)]  # bench options: as GLA's
+    out["hgrn2"] = [{}] + [{"expand_ratio": e} for e in (1, 4, 8, 64)]  # bench options: K = 16, H = D / K heads
+    # bench options: 4 heads of 16 over m = 8 slots; one head of K = V = 16 over 2 slots at the bottom
+    out["gsa"] = [{}] + [{"num_slots": m} for m in (2, 4, 16, 64)] + [
+        {"num_heads": 1, "num_slots": 2, "expand_k": 0.25, "expand_v": 0.25}]
     return out
 
 
