@@ -54,6 +54,8 @@ from torch import Tensor, nn
 
 from memzoo.layers._delta import linear
 from memzoo.layers.base import MemoryLayer, State
+from memzoo.modules.norm import rms_norm
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
 from memzoo.registry import register_layer
 
@@ -136,7 +138,7 @@ class GatedSlotAttention(MemoryLayer):
 
     # ---- the slow projections ------------------------------------------------------------------
     def cdtype(self) -> torch.dtype:
-        return torch.promote_types(self.o_proj.weight.dtype, torch.float32)
+        return compute_dtype(self.o_proj.weight)
 
     def heads(self, u: Tensor, d: int) -> Tensor:
         return u.to(self.cdtype()).unflatten(-1, (self.num_heads, d))
@@ -154,7 +156,7 @@ class GatedSlotAttention(MemoryLayer):
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """y = W_O RMSNorm(swish(o)) over the heads joined: o [B, T, H, V]."""
         o = F.silu(o.flatten(-2))
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.g_norm_weight.to(o.dtype)
+        o = rms_norm(o, self.g_norm_weight, self.eps)
         return self.o_proj(o.to(x.dtype))
 
     # ---- state and verbs -----------------------------------------------------------------------

@@ -45,6 +45,8 @@ from torch import Tensor, nn
 
 from memzoo.layers._delta import linear
 from memzoo.layers.base import MemoryLayer, State
+from memzoo.modules.norm import rms_norm
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
 from memzoo.registry import register_layer
 
@@ -100,7 +102,7 @@ class HGRN2(MemoryLayer):
 
     # ---- the slow projections ------------------------------------------------------------------
     def cdtype(self) -> torch.dtype:
-        return torch.promote_types(self.o_proj.weight.dtype, torch.float32)
+        return compute_dtype(self.o_proj.weight)
 
     def heads(self, u: Tensor, d: int) -> Tensor:
         return u.to(self.cdtype()).unflatten(-1, (self.num_heads, d))
@@ -117,7 +119,7 @@ class HGRN2(MemoryLayer):
     def output(self, y: Tensor, x: Tensor) -> Tensor:
         """W_out RMSNorm(y) over the heads joined: y [B, T, H, V]."""
         y = y.flatten(-2)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.g_norm_weight.to(y.dtype)
+        y = rms_norm(y, self.g_norm_weight, self.eps)
         return self.o_proj(y.to(x.dtype))
 
     # ---- state and verbs -----------------------------------------------------------------------
