@@ -33,17 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memzoo.bench.suites import NAMES as SUITES  # the preset sections of the suites
+from memzoo.bench.schema import BASELINE, CONTROLS, NEGATIVE, POSITIVE, SUITE_NAMES as SUITES  # noqa: F401
 from memzoo.config import (
     ConfigError, ModelConfig, TrainConfig, check_layer_options, config_dir, parse_strict, read_config,
 )
 
-BASELINE = "baseline"  # the backbone with no memory layer
-# The controls, run with the baseline where a suite has them: the positive control is full softmax
-# attention in every block with a short convolution on q, k and v (Zoology's attention is
-# Hybrid([BaseConv, MHA]) for this reason), the negative one a backbone with no token mixer.
-POSITIVE, NEGATIVE = "ctrl:attention", "ctrl:none"
-CONTROLS = (POSITIVE, NEGATIVE)
 RESULTS = "results.jsonl"
 
 
@@ -105,7 +99,7 @@ def load_preset(name: str) -> Preset:
             spec = parse_strict(LayerSpec, v, f"layers.{k}")
             k = check_layer_options(k, spec.options, backbone.d_model, f"layers.{k}")
             try:
-                from memzoo.backbone.layout import parse_layout
+                from memzoo.layout import parse_layout
 
                 parse_layout(f"{backbone.layout} | {k}" + ("" if spec.at is None else f"@{spec.at}"), backbone.n_layers)
             except ValueError as e:

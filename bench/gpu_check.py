@@ -76,13 +76,13 @@ class Step:
         if self.name == "pack":
             return [*py, "memzoo.bench.gpu_check", "--pack-only", "--out", str(out)]
         if self.name == "recall":
-            return [*py, "memzoo.cli", "bench", "--preset", "recall-gpu", "--layers", RECALL_LAYERS, "--suite", "toys",
+            return [*py, "memzoo.bench.cli", "bench", "--preset", "recall-gpu", "--layers", RECALL_LAYERS, "--suite", "toys",
                     "--device", "cuda", "--jobs", str(RECALL_JOBS), "--resume", "--quiet", "--out", str(scratch / "recall"),
                     "--work-dir", str(scratch / "recall-work")]
         if self.name == "main":
-            return [*py, "memzoo.cli", "bench", "--layers", "fwpkm,mom,lact", "--out", str(scratch / "main"),
+            return [*py, "memzoo.bench.cli", "bench", "--layers", "fwpkm,mom,lact", "--out", str(scratch / "main"),
                     "--work-dir", str(scratch / "main-work")]
-        return [*py, "memzoo.cli", "bench", "--suite", "cost", "--preset", str(scratch / "paper.yaml"), "--layers", "baseline",
+        return [*py, "memzoo.bench.cli", "bench", "--suite", "cost", "--preset", str(scratch / "paper.yaml"), "--layers", "baseline",
                 "--device", "cuda", "--jobs", "1", "--quiet", "--out", str(scratch / "rows"),
                 "--work-dir", str(scratch / "work")]
 

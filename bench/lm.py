@@ -44,7 +44,7 @@ import torch
 
 from memzoo.backbone.model import HybridLM
 from memzoo.bench.common import Context, config_hash, lm_train_config, model_config
-from memzoo.bench.suites import suite as suite_module
+from memzoo.bench.registry import get_suite
 from memzoo.config import RunConfig
 from memzoo.storage import load_tensors, torch_save, write_text
 
@@ -52,20 +52,22 @@ HELD_OUT_TITLES = ("Sonnets",)  # the ppl suite's short-document corpus comes fr
 _loaded: dict[str, tuple[HybridLM, dict]] = {}
 
 
-def _niah(ctx: Context):
-    niah = suite_module("niah")  # through the suites' registry: the LM suites import this module
+def _settings(ctx: Context, suite: str):
+    """The preset's settings of `suite` (niah or ppl, whose sections set the LMs' mixture and backbone), by
+    the suites' registry: those suites import this module, so it imports neither."""
+    return ctx.preset.settings(suite, get_suite(suite).settings)
 
-    return ctx.preset.settings(niah.NAME, niah.Settings)
+
+def _niah(ctx: Context):
+    return _settings(ctx, "niah")
 
 
 def _mixture(ctx: Context, suite: str) -> dict:
     """The training mixture of `suite`'s LMs: the niah suite's needle windows, for the LMs the
     suites share, or only for niah's own where it has them (`niah.lm`; ppl's LMs then read
     plain text); and the ppl suite's repeated passages (`ppl.repeat_mix`) for ppl's LMs."""
-    ppl = suite_module("ppl")
-
     s = _niah(ctx)
-    rep = ctx.preset.settings(ppl.NAME, ppl.Settings).repeat_mix
+    rep = _settings(ctx, "ppl").repeat_mix
     rep = {"repeat_mix": rep} if rep and not (s.lm and suite == "niah") else {}
     if s.lm and suite != "niah":
         return {"train_mix": 0.0, **rep}
@@ -95,23 +97,21 @@ def backbone(ctx: Context, suite: str) -> dict:
     trains its own LMs (`niah.lm`); without them niah evaluates ppl's LMs, so it takes ppl's."""
     from memzoo.config import ConfigError
 
-    ppl, s = suite_module("ppl"), _niah(ctx)
+    s = _niah(ctx)
     if s.model and not s.lm:
         raise ConfigError("niah.model needs niah.lm: without LMs of its own the niah suite evaluates the ppl suite's")
-    return s.model if suite == "niah" and s.lm else ctx.preset.settings(ppl.NAME, ppl.Settings).model
+    return s.model if suite == "niah" and s.lm else _settings(ctx, "ppl").model
 
 
 def lm_config(ctx: Context, layer: str, suite: str = "ppl") -> tuple[RunConfig, dict, str]:
     """The run config of `layer`'s LM for `suite` (a layer, a niah variant or a control), its
     needle mixture, and the cache key."""
-    ppl = suite_module("ppl")
-
     mix = _mixture(ctx, suite)
     own = _niah(ctx).lm if suite == "niah" else {}
     tc = lm_train_config(ctx.preset, seed=ctx.seed, device=ctx.device, **own)
     variant = _niah(ctx).variants.get(layer) if suite == "niah" else None
     rc = RunConfig(model_config(ctx.preset, layer, variant, **backbone(ctx, suite)), tc)
-    if suite == ppl.NAME and ctx.preset.settings(ppl.NAME, ppl.Settings).document_order and persistent(rc):
+    if suite == "ppl" and _settings(ctx, "ppl").document_order and persistent(rc):
         mix["document_order"] = True
     key = config_hash({**rc.to_dict(), **mix, "held_out": HELD_OUT_TITLES, "version": 1})
     rc.train.out_dir = str(Path(ctx.work_dir) / "lm" / f"{layer.replace('/', '-')}-{key}")

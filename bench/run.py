@@ -33,7 +33,7 @@ from pathlib import Path
 from memzoo.bench.common import (BASELINE, Context, Recorder, check_layers, compile_cache, load_preset, published_rows,
                                   read_results)
 from memzoo.bench.report import print_closing, print_notes, print_tables
-from memzoo.bench.suites import NAMES, suite
+from memzoo.bench.suites import NAMES, get_suite
 from memzoo.config import ConfigError
 
 
@@ -81,9 +81,9 @@ class Job:
         for s in self.suites:
             try:
                 if self.part is None:
-                    suite(s).run(ctx, [self.layer])
+                    get_suite(s).run(ctx, [self.layer])
                 else:
-                    suite(s).run(ctx, [self.layer], only=[self.part])
+                    get_suite(s).run(ctx, [self.layer], only=[self.part])
             except Exception as e:
                 ctx.fail(s, self.layer, self.part, e)
 
@@ -102,12 +102,12 @@ def plan(ctx: Context, layers: list[str], todo: list[str]) -> list[Job]:
     for layer in layers:
         whole = []
         for s in todo:
-            mod = suite(s)
+            suite = get_suite(s)
             if s in ALONE:
                 jobs.append(Job(layer, (s,), None, work_units(ctx, [layer], [s]) * bench_cost(layer)))
-            elif hasattr(mod, "parts"):
+            elif suite.parts is not None:
                 w = bench_cost(layer)
-                jobs += [Job(layer, (s,), part, c * w, group) for part, c, group in mod.parts(ctx, layer)]
+                jobs += [Job(layer, (s,), part, c * w, group) for part, c, group in suite.parts(ctx, layer)]
             else:
                 whole.append(s)
         if whole:
@@ -136,9 +136,9 @@ def work_units(ctx: Context, layers: list[str], todo: list[str]) -> int:
     each layer's shared LM where a suite evaluates it and it is not cached yet."""
     from memzoo.bench.lm import untrained_steps
 
-    mods = [suite(s) for s in todo]
-    lm = [m.NAME for m in mods if getattr(m, "USES_LM", False)]
-    return sum(sum(m.work(ctx, layer) for m in mods) + untrained_steps(ctx, layer, lm) for layer in layers)
+    suites = [get_suite(s) for s in todo]
+    lm = [su.name for su in suites if su.uses_lm]
+    return sum(sum(su.work(ctx, layer) for su in suites) + untrained_steps(ctx, layer, lm) for layer in layers)
 
 
 def exit_with(parent: int, poll_s: float = 1.0) -> None:
@@ -308,14 +308,13 @@ def _check_run(p, names: list[str], todo: list[str], device: str, dry_run: bool)
         raise ConfigError(f"--suite {ALONE[0]} times on this machine, which has no CUDA device; leave it out here "
                           f"(the Ray tasks run the other suites on the cluster's GPUs)")
     for s in todo:
-        mod = suite(s)
-        p.settings(mod.NAME, mod.Settings)
+        p.settings(s, get_suite(s).settings)
     if variants := [n for n in names if "/" in n]:  # a variant alone, e.g. fwpkm/token (toys), fwpkm/seq (niah)
         if others := [s for s in todo if s not in ("toys", "niah")]:
             raise ConfigError(f"--layers {variants[0]}: a variant is a row of the toys or niah suite, not of {others[0]}; "
                               f"run it with --suite toys or --suite niah")
         for s in todo:
-            defined = p.settings(s, suite(s).Settings).variants
+            defined = p.settings(s, get_suite(s).settings).variants
             if bad := [n for n in variants if n not in defined]:
                 raise ConfigError(f"--layers {bad[0]}: preset {p.name} defines no such {s} variant; it defines "
                                   f"{', '.join(defined) or 'none'}")

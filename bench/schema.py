@@ -4,7 +4,29 @@ from rows without importing torch or the trainer."""
 
 from __future__ import annotations
 
-from memzoo.bench.common import BASELINE, CONTROLS
+import ast
+from pathlib import Path
+
+BASELINE = "baseline"  # the backbone with no memory layer
+# The controls, run with the baseline where a suite has them: the positive control is full softmax
+# attention in every block with a short convolution on q, k and v (Zoology's attention is
+# Hybrid([BaseConv, MHA]) for this reason), the negative one a backbone with no token mixer.
+POSITIVE, NEGATIVE = "ctrl:attention", "ctrl:none"
+CONTROLS = (POSITIVE, NEGATIVE)
+
+#: the suites, in run order (cheapest first; ppl and niah share the trained LMs), the preset sections
+#: holding their settings and the leaderboard's order; each is a module of memzoo.bench.suites
+SUITE_NAMES = ("cost", "pairs", "toys", "ppl", "niah")
+
+
+def lead(name: str) -> str:
+    """The first paragraph of suite `name`'s docstring (what it measures), read from its source
+    without importing it: the report renders rows without torch, which the suites import."""
+    if name not in SUITE_NAMES:
+        raise ValueError(f"unknown suite {name!r}; valid suites: {', '.join(SUITE_NAMES)}")
+    here = Path(__file__).parent / "suites"
+    path = here / f"{name}.py" if (here / f"{name}.py").is_file() else here / name / "__init__.py"
+    return (ast.get_docstring(ast.parse(path.read_text())) or "").strip().split("\n\n")[0]
 
 #: the toys suite's tasks: multi-query associative recall, Ba et al.'s associative retrieval
 TOYS_TASKS = ("mqar", "ar")

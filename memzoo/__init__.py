@@ -5,22 +5,22 @@ report: `memzoo leaderboard`) imports none."""
 
 from __future__ import annotations
 
-import importlib
-
 __version__ = "0.1.0"
 __all__ = ["MemoryLayer", "build_layer", "get_layer", "layer_names", "register_layer", "__version__"]
 
-_WHERE = {"MemoryLayer": "memzoo.layers.base", "build_layer": "memzoo.registry", "get_layer": "memzoo.registry",
-          "layer_names": "memzoo.registry", "register_layer": "memzoo.registry"}
-
 
 def __getattr__(name: str):
-    if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'memzoo' has no attribute {name!r}")
+    if name == "MemoryLayer":
+        from memzoo.layers.base import MemoryLayer as value
+    elif name in ("build_layer", "get_layer", "layer_names", "register_layer"):
+        from memzoo import registry
+
+        value = getattr(registry, name)
+    else:
+        raise AttributeError(f"module 'memzoo' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def __dir__():
-    return sorted([*globals(), *_WHERE])
+    return sorted([*globals(), *__all__])

@@ -168,7 +168,7 @@ class ModelConfig:
         return cfg
 
     def validate(self, where: str = "model") -> None:
-        from memzoo.backbone.layout import parse_layout
+        from memzoo.layout import parse_layout
 
         _check_fields(self, where, _MODEL_RANGES)
         try:

@@ -27,35 +27,16 @@ import importlib
 import os
 from pathlib import Path
 
+from memzoo.registration import LAYERS as _LAYERS
+from memzoo.registration import register_layer  # noqa: F401  (`memzoo.register_layer`, as plugins call it)
+
 PLUGINS_ENV = "MEMZOO_PLUGINS"
 
-_LAYERS: dict[str, type] = {}
 _PLUGINS: set[str] = set()  # plugin modules imported (or being imported) by load_plugins
 
 
 class PluginError(ImportError):
     """A plugin module named in MEMZOO_PLUGINS (or by --plugin) could not be imported."""
-
-
-def register_layer(name: str):
-    """Class decorator: register a MemoryLayer subclass under ``name``."""
-    key = name.lower()
-    if not key.replace("_", "").isalnum():
-        raise ValueError(f"layer name {name!r} must be alphanumeric (underscores allowed)")
-
-    def deco(cls):
-        from memzoo.layers.base import MemoryLayer
-
-        if not (isinstance(cls, type) and issubclass(cls, MemoryLayer)):
-            raise TypeError(f"@register_layer({name!r}) expects a MemoryLayer subclass, got {cls!r}")
-        old = _LAYERS.get(key)
-        if old is not None and old.__qualname__ != cls.__qualname__:
-            raise ValueError(f"layer name {name!r} is already taken by {old.__module__}.{old.__qualname__}")
-        cls.name = key
-        _LAYERS[key] = cls
-        return cls
-
-    return deco
 
 
 def plugin_modules() -> list[str]:

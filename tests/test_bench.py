@@ -14,7 +14,7 @@ import yaml
 
 from memzoo.bench.common import BASELINE, Context, Recorder, check_layers, load_preset, model_config, read_results
 from memzoo.bench.report import ppl as ppl_report
-from memzoo.cli import main
+from memzoo.bench.cli import main
 from memzoo.config import ConfigError
 from memzoo.registry import layer_names
 
@@ -650,7 +650,7 @@ def test_ctrl_c_in_a_terminal_stops_the_bench_and_its_workers_at_once(tmp_path):
             "model": {"layout": "SWA", "window": 4, "attn_heads": 2, "attn_kv_heads": 2}, "compile": False,
             "precision": "fp32"}
     micro.write_text(yaml.safe_dump({**MICRO, "toys": toys}))  # cells that train for minutes
-    cmd = [sys.executable, "-m", "memzoo.cli", "bench", "--preset", str(micro), "--layers", "fwpkm", "--suite", "toys",
+    cmd = [sys.executable, "-m", "memzoo.bench.cli", "bench", "--preset", str(micro), "--layers", "fwpkm", "--suite", "toys",
            "--jobs", "2", "--out", str(out), "--work-dir", str(tmp_path / "work")]
     pid, fd = pty.fork()
     if pid == 0:  # the child: a session of its own whose controlling terminal is the pty

@@ -241,7 +241,7 @@ def test_a_preset_anywhere_may_build_on_a_shipped_one(tmp_path):
 
 def test_every_shipped_preset_says_what_it_is_for():
     from memzoo.bench.common import preset_summaries
-    from memzoo.cli import main
+    from memzoo.bench.cli import main
 
     assert set(preset_summaries()) == set(preset_names()) and all(preset_summaries().values())
     with pytest.raises(SystemExit):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from memzoo.backbone.layout import parse_layout
+from memzoo.layout import parse_layout
 from memzoo.backbone.model import HybridLM
 from memzoo.bench.report import cost as cost_report
 from memzoo.config import ModelConfig, load_config

@@ -1,5 +1,6 @@
-"""The package's import graph has no circles: every module's imports, function-level ones included,
-read with `ast` (memzoo/, bench/ as memzoo.bench)."""
+"""The package's import graph has no circles and the core imports nothing of the bench: every module's
+imports read with `ast` (memzoo/, bench/ as memzoo.bench): function-level ones, the packages an import
+runs first, and importlib's (a literal name; ``f"{__name__}.{...}"``: every module of the package)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"memzoo": "memzoo", "memzoo.bench": "bench"}
+#: the modules whose importlib calls name modules known only at run time, and why
+RUNTIME_IMPORTS = {"memzoo.registry": "the plugins named in MEMZOO_PLUGINS or by --plugin: modules outside memzoo"}
 
 
 def modules() -> dict[str, Path]:
@@ -19,24 +22,42 @@ def modules() -> dict[str, Path]:
     return out
 
 
+def _imported(node, m: str, here: list[str], mods: dict) -> list[str] | None:
+    """The modules an import statement or importlib call names (None: not an import; ["?"]: a name
+    known only at run time)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        base = ".".join(here[: len(here) - node.level + 1] + [node.module or ""]).strip(".") if node.level else node.module
+        return [base, *(f"{base}.{a.name}" for a in node.names)]
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
+        arg = node.args[0] if node.args else None
+        if isinstance(arg, ast.Constant):
+            return [arg.value]
+        if isinstance(arg, ast.JoinedStr) and ast.unparse(arg).startswith("f'{__name__}."):
+            pkg = ".".join(here)
+            return [x for x in mods if x.rpartition(".")[0] == pkg]
+        return ["?"]
+    return None
+
+
 def graph() -> dict[str, set[str]]:
     mods = modules()
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for m, f in mods.items():
         here = m.split(".") if f.name == "__init__.py" else m.split(".")[:-1]
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = ".".join(here[: len(here) - node.level + 1] + [node.module or ""]).strip(".") if node.level else node.module
-                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
-            else:
-                continue
-            for t in targets:
+            targets = _imported(node, m, here, mods)
+            for t in targets or ():
+                if t == "?":
+                    assert m in RUNTIME_IMPORTS, f"{m}: an importlib call whose module is not a literal"
+                    continue
                 while t and t not in mods:  # a name inside a module: the module
                     t = t.rpartition(".")[0]
-                if t and t != m:
-                    edges[m].add(t)
+                while t:  # the module, then the packages that importing it runs first (but m's own)
+                    if t != m and not m.startswith(t + "."):
+                        edges[m].add(t)
+                    t = t.rpartition(".")[0]
     return edges
 
 
@@ -74,11 +95,23 @@ def circles(edges: dict[str, set[str]]) -> list[set[str]]:
 
 def test_the_graph_reader_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
-    assert "memzoo.registry" in graph()["memzoo.backbone.model"]  # function-level and from-imports are read
+    g = graph()
+    assert "memzoo.registry" in g["memzoo.backbone.model"]  # function-level and from-imports are read
+    assert "memzoo.layers.ba" in g["memzoo.layers"]  # the layers' autoloader: importlib over its own modules
+    assert "memzoo.layers" in g["memzoo.registry"] and "memzoo.layers" not in g["memzoo.layers.ba"]  # a package an
+    # import runs first counts, but not the importer's own
 
 
 def test_no_import_circles():
     assert circles(graph()) == []
+
+
+def test_the_core_imports_nothing_of_the_bench():
+    """Layers, ops, modules, backbone, data, the trainer and the core command line import no module
+    of memzoo.bench (the bench registers its verbs with the core's command: memzoo.bench.cli)."""
+    edges = graph()
+    core = [m for m in edges if not (m == "memzoo.bench" or m.startswith("memzoo.bench."))]
+    assert [(m, t) for m in core for t in sorted(edges[m]) if t.startswith("memzoo.bench")] == []
 
 
 def test_the_report_imports_no_torch():
@@ -101,7 +134,7 @@ def test_the_command_line_renders_and_helps_without_torch(tmp_path):
 
     rows = (ROOT / "leaderboards" / "results.jsonl").read_text().splitlines()[:3]
     (tmp_path / "results.jsonl").write_text("\n".join(rows) + "\n")
-    code = ("import sys\nfrom memzoo.cli import main\n"
+    code = ("import sys\nfrom memzoo.bench.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             f"assert main(['leaderboard', '--out', {str(tmp_path)!r}]) == 0\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")

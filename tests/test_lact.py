@@ -294,7 +294,7 @@ def lact_layer_params(d: int, heads: int, inter: float, rank: int | None) -> int
 
 
 def test_paper_config_params(capsys):
-    from memzoo.cli import main
+    from memzoo.bench.cli import main
 
     rc = load_config("paper/lact")
     assert rc.model.layout == "SWA | LaCT@all" and rc.model.n_layers == 12 and rc.model.d_model == 768

@@ -132,7 +132,7 @@ def test_memzoo_bench_runs_a_plugin_layer_in_its_workers(plugin_dir, tmp_path):
     run.mkdir()
     (run / "micro.yaml").write_text(json.dumps(MICRO))  # JSON is YAML
     r = subprocess.run(
-        [sys.executable, "-m", "memzoo.cli", "--plugin", MOD, "bench", "--suite", "cost,toys,ppl", "--layers", NAME,
+        [sys.executable, "-m", "memzoo.bench.cli", "--plugin", MOD, "bench", "--suite", "cost,toys,ppl", "--layers", NAME,
          "--preset", "micro.yaml", "--out", str(out), "--work-dir", str(out), "--jobs", "2", "--quiet"],
         cwd=run, env=_env(plugin_dir), capture_output=True, text=True, timeout=600,
     )
@@ -144,7 +144,7 @@ def test_memzoo_bench_runs_a_plugin_layer_in_its_workers(plugin_dir, tmp_path):
 
 
 def test_a_plugin_that_cannot_be_imported_is_one_error_line(plugin_dir, capsys):
-    from memzoo.cli import main
+    from memzoo.bench.cli import main
 
     assert main(["--plugin", "memzoo_no_such_plugin", "params", "tiny/gdn"]) == 2
     err = capsys.readouterr().err.strip()

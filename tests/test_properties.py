@@ -12,7 +12,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memzoo.backbone.layout import LayoutError, parse_layout
+from memzoo.layout import LayoutError, parse_layout
 from memzoo.config import ConfigError, ModelConfig, TrainConfig, load_config
 from memzoo.registry import layer_names
 

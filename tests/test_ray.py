@@ -217,7 +217,7 @@ def test_ctrl_c_ends_the_tasks_and_leaves_the_results_whole(cluster, shared, tmp
 
     (shared / "running").unlink(missing_ok=True)
     env = {**os.environ, "MEMZOO_PLUGINS": "ray_test_plugin"}
-    cmd = [sys.executable, "-m", "memzoo.cli", "bench", "--layers", "ray_doomed", "--suite", "toys", "--quiet",
+    cmd = [sys.executable, "-m", "memzoo.bench.cli", "bench", "--layers", "ray_doomed", "--suite", "toys", "--quiet",
            "--preset", _preset(tmp_path), "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"),
            "--engine", "ray", "--address", cluster.address]
     # as a terminal's foreground job: run as a shell's background job (`cmd &`, how CI may run the tests),
@@ -247,7 +247,7 @@ def test_ctrl_c_ends_the_tasks_and_leaves_the_results_whole(cluster, shared, tmp
 
 
 def test_the_ray_engine_without_ray_says_how_to_install_it(monkeypatch, tmp_path, capsys):
-    from memzoo.cli import main
+    from memzoo.bench.cli import main
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     assert main(["bench", "--engine", "ray", "--suite", "toys", "--out", str(tmp_path)]) == 2
@@ -258,7 +258,7 @@ def test_the_ray_engine_without_ray_says_how_to_install_it(monkeypatch, tmp_path
 def test_the_default_engine_imports_no_ray():
     import subprocess
 
-    code = ("import sys; from memzoo.bench.run import run_bench; import memzoo.cli; "
+    code = ("import sys; from memzoo.bench.run import run_bench; import memzoo.bench.cli; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

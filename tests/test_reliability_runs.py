@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from conftest import layer_options
-from memzoo.cli import main
+from memzoo.bench.cli import main
 from memzoo.config import load_config
 from memzoo.storage import atomic_open, load_tensors
 

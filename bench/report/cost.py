@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from memzoo.bench.common import BASELINE
-from memzoo.bench.report import keyed, machine, save_png, with_family
+from memzoo.bench.report.common import keyed, machine, save_png, with_family
 from memzoo.bench.report.overview import Headline
 
 RATIO = "× baseline's tokens/s"  # the paired throughput column: the overview's cost cell

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memzoo.bench.common import logit_ci, mean_ci
-from memzoo.bench.report import keyed, layer_order, save_png, with_family
+from memzoo.bench.report.common import keyed, layer_order, save_png, with_family
 from memzoo.bench.report.overview import Headline
 from memzoo.bench.schema import PAIRS_HELD_AT
 

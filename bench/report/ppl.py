@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, POSITIVE, mean_ci
-from memzoo.bench.report import (
+from memzoo.bench.report.common import (
     fewer_seeds, keyed, layer_order, lm_lines, save_png, shared_count, versus, with_family, with_seed, with_texts,
 )
 from memzoo.bench.report.overview import Headline

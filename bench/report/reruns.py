@@ -40,7 +40,7 @@ from datetime import datetime
 from pathlib import Path
 
 from memzoo.bench.common import RESULTS, mean_ci, read_results
-from memzoo.bench.report import layer_order
+from memzoo.bench.schema import layer_order
 from memzoo.bench.schema import slice_order
 
 

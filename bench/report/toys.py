@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci
-from memzoo.bench.report import keyed, layer_order, save_png, with_family
+from memzoo.bench.report.common import keyed, layer_order, save_png, with_family
 from memzoo.bench.report.overview import Headline
 from memzoo.bench.schema import TOYS_TASKS as TASKS
 from memzoo.bench.schema import RECALL_REACH, slice_order

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memzoo.bench.common import BASELINE, Context, device_name, lm_train_config, model_config
+from memzoo.bench.registry import Suite, register_suite
 from memzoo.timing import Timing, time_fn
 from memzoo.train import resolve_precision
 
@@ -253,3 +254,6 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
         rows.append(ctx.record(NAME, name, setting, metrics, config, time.time() - t0))
         ctx.advance(1, f"cost {name}")
     return rows
+
+
+register_suite(Suite(NAME, Settings, run, work))

@@ -92,6 +92,7 @@ from pathlib import Path
 import torch
 
 from memzoo.bench.common import BASELINE, CONTROLS, Context, check_backbone, check_variants, mean_ci, wilson
+from memzoo.bench.registry import Suite, register_suite
 from memzoo.data.niah import NiahSample, TextSource, _question, depth_bins, depth_label, niah_samples
 
 NAME = "niah"
@@ -273,9 +274,6 @@ def eval_texts(corpus: str, seed: int) -> list[str]:
     return list(split_documents(load_corpus(corpus), seed=seed)["validation"]["text"])
 
 
-USES_LM = True  # evaluates the shared LM of memzoo.bench.lm
-
-
 def work(ctx: Context, layer: str) -> int:
     """Units of work for the progress bar: the samples of one layer's LMs (every length)."""
     from memzoo.bench.lm import models
@@ -380,3 +378,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+register_suite(Suite(NAME, Settings, run, work, uses_lm=True))

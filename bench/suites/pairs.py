@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from memzoo.bench.common import BASELINE, CONTROLS, Context
+from memzoo.bench.registry import Suite, register_suite
 from memzoo.bench.schema import PAIRS_HELD_AT as HELD_AT  # the level at which a rule "holds" n pairs
 from memzoo.config import ConfigError
 
@@ -192,3 +193,6 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
                     rows.append(ctx.record(NAME, name, setting, metrics, config, time.perf_counter() - t0))
                     ctx.advance(1, f"pairs {name} {setting['size']} {condition} {gates}")
     return rows
+
+
+register_suite(Suite(NAME, Settings, run, work))

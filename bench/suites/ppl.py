@@ -81,6 +81,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from memzoo.bench.registry import Suite, register_suite
 from memzoo.bench.schema import PPL_MODES, PPL_POSITIONS
 from memzoo.bench.common import POSITIVE, Context, check_backbone, mean_ci
 
@@ -195,9 +196,6 @@ def repeat_probe(model, passages: list[torch.Tensor], carry_cache: bool, device:
             "gain_half": half, "n_passages": len(passages)}
 
 
-USES_LM = True  # evaluates the shared LM of memzoo.bench.lm
-
-
 def work(ctx: Context, layer: str) -> int:
     """Units of work for the progress bar: the (corpus, mode) cells and the probe of one
     layer's LMs."""
@@ -262,3 +260,6 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
             rows.append(ctx.record(NAME, layer, {"corpus": "repeat", "mode": "carry"}, {**m, **lm}, config, time.time() - t0))
             ctx.advance(1, doing)
     return rows
+
+
+register_suite(Suite(NAME, Settings, run, work, uses_lm=True))

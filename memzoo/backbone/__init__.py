@@ -1,6 +1,6 @@
 """The hybrid backbone: token mixers (GDN, SWA, FA), blocks, layout strings, HybridLM."""
 
-from memzoo.backbone.layout import Layout, LayoutError, parse_layout
+from memzoo.layout import Layout, LayoutError, parse_layout
 from memzoo.backbone.model import HybridLM, MemzooConfig, MemzooOutput, count_params
 
 __all__ = ["HybridLM", "Layout", "LayoutError", "MemzooConfig", "MemzooOutput", "count_params", "parse_layout"]

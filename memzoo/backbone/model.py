@@ -49,7 +49,7 @@ from memzoo.backbone.attention import GatedAttention
 from memzoo.backbone.ffn import SwiGLU
 from memzoo.modules.norm import RMSNorm
 from memzoo.backbone.gdn import GatedDeltaNet
-from memzoo.backbone.layout import parse_layout
+from memzoo.layout import parse_layout
 from memzoo.config import ModelConfig
 from memzoo.layers.base import SITES, MemoryLayer
 from memzoo.registry import build_layer

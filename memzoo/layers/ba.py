@@ -90,7 +90,7 @@ from torch import Tensor, nn
 
 from memzoo.layers.base import Compiled, MemoryLayer, State, state_precision, trains_on_cpu
 from memzoo.modules.precision import compute_dtype
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": torch.relu, "tanh": torch.tanh}
 

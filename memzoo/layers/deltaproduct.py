@@ -33,7 +33,7 @@ from memzoo.layers.base import State
 from memzoo.modules.gates import mamba2_decay_init
 from memzoo.modules.norm import rms_norm
 from memzoo.ops.gated_delta_rule import gated_delta_rule
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 
 @register_layer("deltaproduct")

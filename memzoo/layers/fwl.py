@@ -93,7 +93,7 @@ from memzoo.layers.base import MemoryLayer, State
 from memzoo.modules.precision import compute_dtype
 from memzoo.ops import fwl as ops
 from memzoo.ops.fwl import FAST, Head
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 
 @register_layer("fwl")

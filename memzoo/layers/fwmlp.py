@@ -108,7 +108,7 @@ from memzoo.layers.base import MemoryLayer, State
 from memzoo.layers.fw_io import FastWeightIO, finite_tokens, from_variant
 from memzoo.layers.fw_io import write_pairs as chunk_pairs  # a chunk's pairs (not the adapter's write_pairs)
 from memzoo.modules.precision import compute_dtype
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 FAST_KEYS = ("w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
 

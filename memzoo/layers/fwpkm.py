@@ -91,7 +91,7 @@ from memzoo.layers.fw_io import FastWeightIO, finite_tokens, from_variant, write
 from memzoo.modules.precision import compute_dtype
 from memzoo.ops import fwpkm as fw
 from memzoo.ops.product_key import Lookup, gather_rows
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 
 #: the choices where the paper's text and the authors' release differ (module docstring)

@@ -27,7 +27,7 @@ from memzoo.layers.deltanet import DeltaNet
 from memzoo.modules.gates import mamba2_decay_init
 from memzoo.modules.norm import rms_norm
 from memzoo.ops.gated_delta_rule import gated_delta_rule
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 
 @register_layer("gated_deltanet")

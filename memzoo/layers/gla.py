@@ -45,7 +45,7 @@ from memzoo.layers.base import MemoryLayer, State
 from memzoo.modules.norm import rms_norm
 from memzoo.modules.precision import compute_dtype
 from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 
 def gla_log_decay(logits: Tensor, temperature: float) -> Tensor:

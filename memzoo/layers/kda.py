@@ -33,7 +33,7 @@ from memzoo.layers.deltanet import DeltaNet
 from memzoo.modules.gates import dt_bias_init
 from memzoo.modules.norm import rms_norm
 from memzoo.ops.dplr_delta_rule import dplr_delta_rule
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 
 @register_layer("kda")

@@ -106,7 +106,7 @@ from memzoo.layers.base import Compiled, MemoryLayer, State, state_precision, tr
 from memzoo.modules.precision import compute_dtype
 from memzoo.ops.inner_loop import silu_grad
 from memzoo.ops.muon import newton_schulz5
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 from memzoo.storage import load_transposed
 
 FAST_KEYS = ("w0", "w1", "w2")

@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from memzoo.layers.base import MemoryLayer, State, head_size
 from memzoo.modules.precision import compute_dtype
 from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 FEATURE_MAPS = ("elu", "identity", "l2")
 

@@ -63,7 +63,7 @@ from memzoo.modules.gates import MAMBA2_A_RANGE, mamba2_decay_init
 from memzoo.modules.norm import rms_norm
 from memzoo.modules.precision import compute_dtype
 from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 
 def ssd_read(S: Tensor, C: Tensor, B: Tensor, x: Tensor, dt: Tensor, log_a: Tensor, D: Tensor) -> Tensor:

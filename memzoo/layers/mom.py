@@ -108,7 +108,7 @@ from memzoo.modules.norm import rms_norm
 from memzoo.modules.precision import compute_dtype
 from memzoo.ops.gated_delta_rule import gated_delta_rule
 from memzoo.modules.conv import causal_conv, conv_weights
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 from memzoo.storage import load_transposed
 
 

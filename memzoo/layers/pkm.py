@@ -94,7 +94,7 @@ from memzoo.layers.base import MemoryLayer, State
 from memzoo.modules.precision import compute_dtype
 from memzoo.ops import product_key as pk
 from memzoo.ops.product_key import Lookup, lookup, pair_scores, selected_subkey_scores
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 QUERY_NORMS = ("rmsnorm", "batchnorm", "none")
 

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from memzoo.layers._delta import DeltaRuleMemory
 from memzoo.layers.base import State
 from memzoo.ops.dplr_delta_rule import dplr_delta_rule
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 LOG_DECAY_MAX = 0.6065306597126334  # e^{-1/2}: the largest −log w
 

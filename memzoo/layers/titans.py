@@ -42,7 +42,7 @@ from memzoo.modules.norm import rms_norm
 from memzoo.modules.precision import compute_dtype
 from memzoo.ops.inner_loop import mlp_backward, mlp_forward
 from memzoo.modules.conv import causal_conv_stream, conv_weights
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 FAST = ("W1", "W2")
 

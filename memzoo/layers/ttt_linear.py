@@ -42,7 +42,7 @@ from memzoo.layers.base import MemoryLayer, State, head_size, state_precision
 from memzoo.modules.precision import compute_dtype
 from memzoo.ops.inner_loop import layer_norm
 from memzoo.ops.ttt import KEYS, effective, f_res, ttt_scan
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 
 @torch.compiler.disable

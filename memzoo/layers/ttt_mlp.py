@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from memzoo.layers.ttt_linear import TTTLinear
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 
 @register_layer("ttt_mlp")

@@ -80,6 +80,7 @@ from .plan import cell_config, cell_key, cells, models_of, parts, run, work
 from .settings import NAME, SEGMENTED, TASKS, Settings
 from .tasks import TASK_TYPES, MQAR, AssocRetrieval, Task, slice_name
 from .training import CHECKPOINT_EVERY_S, Training, evaluate, falling, left_chance_at, solved, train_cell
+from memzoo.bench.registry import Suite, register_suite
 from memzoo.bench.schema import slice_order  # the order of a row's slices (the report's, torch-free)
 
 __all__ = [
@@ -89,3 +90,5 @@ __all__ = [
     "at_chance", "search", "train_lrs", "metrics_of", "measure", "cell_config", "cell_key", "models_of",
     "cells", "work", "parts", "run",
 ]
+
+register_suite(Suite(NAME, Settings, run, work, parts))

@@ -42,7 +42,7 @@ def reach(mc: ModelConfig) -> int | None:
     """How many tokens back the backbone's own mixers carry information, stacked over its blocks
     (None: unbounded): a sliding window of w sees w - 1 tokens back, its short convolution of c
     (``attn_conv``) c - 1 more; a block without a mixer none. Memories are not counted."""
-    from memzoo.backbone.layout import parse_layout
+    from memzoo.layout import parse_layout
 
     total = 0
     for kind in parse_layout(mc.layout, mc.n_layers).mixers:

@@ -1,0 +1,44 @@
+"""The table of the bench's suites and the decorator-like call that fills it (`register_suite`); a leaf
+that imports no suite, so that the suites register into it while :mod:`memzoo.bench.suites` imports
+them and :mod:`memzoo.bench.lm` reads the LM suites' settings from it (the import graph has no cycle:
+tests/test_imports.py). What a :class:`Suite` holds: :mod:`memzoo.bench.suites`."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Callable
+
+from memzoo.bench.schema import SUITE_NAMES as NAMES
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    settings: type
+    run: Callable
+    work: Callable
+    parts: Callable | None = None
+    uses_lm: bool = False
+
+
+SUITES: dict[str, Suite] = {}
+
+
+def register_suite(suite: Suite) -> Suite:
+    """Register `suite` under its name (one of SUITE_NAMES: the preset sections and the report know those)."""
+    if suite.name not in NAMES:
+        raise ValueError(f"suite {suite.name!r} is not one of {', '.join(NAMES)} (memzoo.bench.schema.SUITE_NAMES)")
+    SUITES[suite.name] = suite
+    return suite
+
+
+def get_suite(name: str) -> Suite:
+    """The registered suite `name` (the built-in ones register when memzoo.bench.suites is imported);
+    an unknown name is one error naming the valid ones."""
+    if name not in SUITES:
+        near = difflib.get_close_matches(name, NAMES, n=1)
+        raise ValueError(f"unknown suite {name!r}{f' (did you mean {near[0]!r}?)' if near else ''}; "
+                         f"valid suites: {', '.join(NAMES)}")
+    return SUITES[name]
+
