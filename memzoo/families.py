@@ -8,7 +8,9 @@ FAMILIES = {
     # ungated sum's (a decayed memory forgets old pairs instead of piling up their crosstalk)
     "gated_hebbian": "gated Hebbian outer product",
     "delta": "delta rule",                                 # S += β k (v − Sᵀk)ᵀ and its gated / DPLR kin
-    "regression": "gradient steps on a regression loss",   # a small network trained on the sequence
+    # a model fitted to the sequence by a regression loss: a small network trained by gradient steps (TTT, Titans,
+    # LaCT, FwMLP, FWL), or a linear map solved to the loss's minimum (MesaNet): the label names both
+    "regression": "regression loss: gradient steps or exact solve",
     # key-value rows a query scores: a few of many read and written (PKM, FwPKM: top-k of sparse rows) or all of a
     # few (GSA: m slots written through a forget gate, read by a softmax over them), so no longer "sparse slots"
     "slots": "slots",

@@ -127,6 +127,12 @@ LAYER_TESTS: dict[str, dict] = {
     # W_α has to learn that from the keys: 600 steps (measured at these options: recall 0.19 after 200
     # steps, 0.35 after 400, 0.45 after 600, 0.57 after 1200; 16 slots learn slower, 0.15 after 200)
     "gsa": {"options": dict(num_heads=2, num_slots=8), "train_steps": 600},
+    # MesaNet: 2 heads of 16 (fla's 16 heads of 128 would give a state 2x128x the peers'). Not iterative: the
+    # closed-form regression; writing the pairs again only halves the regulariser's weight, it corrects no
+    # error. 600 steps: its forget strength γ = sigmoid(W_γ x + b_γ) starts at 1/2 (fla's zero bias), and
+    # the regulariser λ = 1 outweighs a few β-weighted writes; measured at these options: recall 0.13 after
+    # 200 steps (chance), 1.00 after 600
+    "mesanet": {"options": dict(num_heads=2, head_dim=16), "train_steps": 600},
     # the test-time-training memories: 2 heads of 16, mini-batches / chunks of 4 (several in the suite's
     # sequences); gradient steps on a regression loss, so a second write corrects what the first left
     "ttt_linear": {"options": dict(num_heads=2, head_dim=16, mini_batch_size=4), "iterative": True},

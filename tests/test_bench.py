@@ -531,11 +531,12 @@ def test_a_table_row_names_its_layers_write_rule_family():
     from memzoo.registry import get_layer
 
     assert family("linear") == "Hebbian outer product" and family("deltanet") == "delta rule"
-    assert family("lact/lr1e-3") == family("lact") == "gradient steps on a regression loss"
+    assert family("lact/lr1e-3") == family("lact") == "regression loss: gradient steps or exact solve"
     assert family("fwpkm/token") == "slots"
     assert [family(n) for n in (BASELINE, "ctrl:attention", "ctrl:none", "paper/gdn", "gone")] == [""] * 5
     builtin = ["linear", "ba", "mom", "deltanet", "gated_deltanet", "deltaproduct", "kda", "rwkv7", "fwl", "fwmlp",
-               "lact", "ttt_linear", "ttt_mlp", "titans", "pkm", "fwpkm", "mamba2", "gla", "retnet", "hgrn2", "gsa"]
+               "lact", "ttt_linear", "ttt_mlp", "titans", "pkm", "fwpkm", "mamba2", "gla", "retnet", "hgrn2", "gsa",
+               "mesanet"]
     # (a plugin's layer may name none)
     assert family("mamba2") == family("gla") == family("retnet") == family("hgrn2") == "gated Hebbian outer product"
     assert family("gsa") == family("pkm") == "slots"

@@ -107,6 +107,12 @@ def gsa(o: dict, d_model: int) -> int:
     expand_k·D/H, V = expand_v·D/H; α_t is per token, no state."""
     H, m = o["num_heads"], o["num_slots"]
     return H * m * (int(o["expand_k"] * d_model // H) + int(o["expand_v"] * d_model // H))
+def mesanet(o: dict) -> int:
+    """MesaNet (von Oswald et al. 2025, Eq. 5): per head, the two sums H_t ∈ R^{K×K} and G_t ∈ R^{K×V}, K = V =
+    head_dim (β_t, γ_t and the solve's q*_t are per token; λ is a slow weight); plus the short convolutions'
+    histories on q and k (fla's layer; none on v)."""
+    H, K = o["num_heads"], o["head_dim"]
+    return H * (K * K + K * K) + conv_cache(o["conv_size"], H * K, H * K)
 
 
 def mom(o: dict) -> int:
@@ -219,6 +225,8 @@ COUNTS: dict[str, tuple[list[dict], Callable[[dict, int], int]]] = {
     "gsa": ([dict(num_heads=2, num_slots=8, expand_k=1.0, expand_v=1.0),
              dict(num_heads=4, num_slots=3, expand_k=0.5, expand_v=2.0),
              dict(d_model=64, num_heads=2, num_slots=16, expand_k=0.25, expand_v=1.0)], gsa),
+    "mesanet": ([dict(num_heads=2, head_dim=16, conv_size=4), dict(num_heads=4, head_dim=8, conv_size=0),
+                 dict(d_model=64, num_heads=1, head_dim=12, conv_size=2)], lambda o, D: mesanet(o)),
     "mom": ([dict(num_memories=4, topk=2, shared_memory=True, num_heads=2, head_dim=16, expand_v=1.0, conv_size=4),
              dict(num_memories=3, topk=1, shared_memory=False, num_heads=4, head_dim=8, expand_v=2.0, conv_size=3)],
             lambda o, D: mom(o)),

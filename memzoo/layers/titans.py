@@ -28,7 +28,7 @@ for the whole chunk at once in their closed form (:func:`write_chunk`). A chunk 
 memory as it was before the chunk (the MAC's M_{t−1} of the previous segment, Eq. 21; the memory is
 "read without update"), then written: a chunk-level read-then-write layer, exact when a sequence is
 split on chunk boundaries. The state is M (W1, W2) and the momentum S of both, per sequence, and the
-short convolutions' histories. Family: gradient steps on a regression loss.
+short convolutions' histories. Family: regression loss (gradient steps).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ Where this layer departs from the release (test-time-training/ttt-lm-pytorch), a
 
 The layer is token-recurrent and inclusive (token t reads with the gradient of its own loss
 included): its state is the current mini-batch's W_0, the sums G of its tokens' scaled gradients and
-their count `pos`, so it streams exactly at any split. Family: gradient steps on a regression loss.
+their count `pos`, so it streams exactly at any split. Family: regression loss (gradient steps).
 """
 
 from __future__ import annotations
