@@ -536,7 +536,7 @@ def test_a_table_row_names_its_layers_write_rule_family():
     assert [family(n) for n in (BASELINE, "ctrl:attention", "ctrl:none", "paper/gdn", "gone")] == [""] * 5
     builtin = ["linear", "ba", "mom", "deltanet", "gated_deltanet", "deltaproduct", "kda", "rwkv7", "fwl", "fwmlp",
                "lact", "ttt_linear", "ttt_mlp", "titans", "pkm", "fwpkm", "mamba2", "gla", "retnet", "hgrn2", "gsa",
-               "mesanet"]
+               "mesanet", "loglinear_mamba2"]
     # (a plugin's layer may name none)
     assert family("mamba2") == family("gla") == family("retnet") == family("hgrn2") == "gated Hebbian outer product"
     assert family("gsa") == family("pkm") == "slots"

@@ -80,6 +80,17 @@ def mamba2(o: dict, d_model: int) -> int:
     return H * N * P + conv_cache(o["conv_size"], E * d_model + 2 * N)
 
 
+def loglinear_mamba2(o: dict, d_model: int) -> int:
+    """Log-linear Mamba-2 (Guo et al. 2025, Sec. 3, the Fenwick recurrence): one h ∈ R^{N×P} per head (Mamba-2's) per Fenwick level a
+    stream of n tokens has filled, bit_length(n) of them, at run_forward's n = 8 tokens: 4 (levels 1-4: the
+    buckets of sizes 1, 2, 4 and then the merged 8); plus the position n (one integer: the levels are a
+    function of it) and Mamba-2's short-convolution history on [x, B, C]."""
+    E, N, P = o["expand"], o["d_state"], o["head_dim"]
+    H = E * d_model // P
+    levels = (8).bit_length()
+    return levels * H * N * P + 1 + conv_cache(o["conv_size"], E * d_model + 2 * N)
+
+
 def gla(o: dict, d_model: int) -> int:
     """GLA (Yang et al. 2024, Sec. 4.1): one S ∈ R^{K×V} per head, K = expand_k·D/H, V = expand_v·D/H (α_t is
     a vector a token, no state; no short convolution)."""
@@ -213,6 +224,8 @@ COUNTS: dict[str, tuple[list[dict], Callable[[dict, int], int]]] = {
     "mamba2": ([dict(d_state=16, head_dim=16, expand=1, conv_size=4),
                 dict(d_state=8, head_dim=8, expand=2, conv_size=0),
                 dict(d_model=64, d_state=32, head_dim=32, expand=2, conv_size=3)], mamba2),
+    "loglinear_mamba2": ([dict(d_state=16, head_dim=16, expand=1, conv_size=4),
+                          dict(d_model=64, d_state=8, head_dim=32, expand=2, conv_size=0)], loglinear_mamba2),
     "gla": ([dict(num_heads=2, expand_k=1.0, expand_v=1.0),
              dict(num_heads=4, expand_k=0.5, expand_v=2.0),
              dict(d_model=64, num_heads=2, expand_k=0.5, expand_v=1.0)], gla),

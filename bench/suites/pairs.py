@@ -53,6 +53,7 @@ def _sizes() -> dict:
     # bench options: 4 heads of 16 over m = 8 slots; one head of K = V = 16 over 2 slots at the bottom
     out["gsa"] = [{}] + [{"num_slots": m} for m in (2, 4, 16, 64)] + [
         {"num_heads": 1, "num_slots": 2, "expand_k": 0.25, "expand_v": 0.25}]
+    out["loglinear_mamba2"] = [{}] + [{"d_state": n} for n in (1, 2, 8, 16)]  # bench options: N = 4, 2 heads of P = 32
     out["mesanet"] = [{}] + [{"head_dim": d} for d in (2, 4, 8, 32)]  # bench options: 4 heads of K = V = 16
     return out
 
