@@ -57,7 +57,7 @@ from memzoo.layers._delta import linear
 from memzoo.layers.base import State, state_precision
 from memzoo.layers.mamba2 import Mamba2
 from memzoo.ops.log_linear_attention import bit_length, log_linear_chunk
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 #: fla's number of λ levels (``MAX_NUM_LEVELS``: ceil(log2 16384) + 1)
 NUM_LEVELS = 15

@@ -60,10 +60,12 @@ from torch import Tensor, nn
 
 from memzoo.layers._delta import linear
 from memzoo.layers.base import MemoryLayer, State, state_precision
+from memzoo.modules.conv import causal_conv_stream, conv_weights
+from memzoo.modules.norm import rms_norm
+from memzoo.modules.precision import compute_dtype
 from memzoo.ops.linear_attention import linear_attention_final_state
 from memzoo.ops.mesa import CG_EPS, mesa_chunked, mesa_step_read
-from memzoo.ops.short_conv import causal_conv_stream, conv_weights
-from memzoo.registry import register_layer
+from memzoo.registration import register_layer
 
 
 def softplus_inverse(y: float) -> float:
@@ -137,7 +139,7 @@ class MesaNet(MemoryLayer):
 
     # ---- the slow projections ------------------------------------------------------------------
     def cdtype(self) -> torch.dtype:
-        return torch.promote_types(self.o_proj.weight.dtype, torch.float32)
+        return compute_dtype(self.o_proj.weight)
 
     def heads(self, u: Tensor) -> Tensor:
         return u.to(self.cdtype()).unflatten(-1, (self.num_heads, self.head_dim))
@@ -167,7 +169,7 @@ class MesaNet(MemoryLayer):
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """y = W_O RMSNorm(o) per head (⊙ swish(W_g x) with the output gate): o [B, T, H, V]."""
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm_weight.to(o.dtype)
+        o = rms_norm(o, self.o_norm_weight, self.eps)
         if self.use_output_gate:
             o = o * F.silu(self.heads(self.g_proj(x))).to(o.dtype)
         return self.o_proj(o.flatten(-2).to(x.dtype))
