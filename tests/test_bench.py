@@ -608,9 +608,11 @@ def test_the_leaderboard_names_a_bad_line_in_one_line(tmp_path, capsys):
 
 
 def test_a_failing_measurement_is_one_line_a_row_and_the_exit_status(micro, tmp_path, monkeypatch, capsys):
-    from memzoo.bench.suites import ppl
+    from dataclasses import replace
 
-    real = ppl.run
+    from memzoo.bench.suites import SUITES
+
+    real = SUITES["ppl"].run
 
     def breaks_for_fwpkm(ctx, layers, *a, **k):
         if layers == ["fwpkm"]:
@@ -618,7 +620,7 @@ def test_a_failing_measurement_is_one_line_a_row_and_the_exit_status(micro, tmp_
             raise RuntimeError("boom\nsecond line")
         return real(ctx, layers, *a, **k)
 
-    monkeypatch.setattr(ppl, "run", breaks_for_fwpkm)
+    monkeypatch.setitem(SUITES, "ppl", replace(SUITES["ppl"], run=breaks_for_fwpkm))
     args = ["bench", "--preset", str(micro), "--layers", "fwpkm", "--suite", "ppl", "--jobs", "1", "--quiet",
             "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")]
     assert main(args) == 1  # the exit status says that a measurement failed

@@ -79,7 +79,7 @@ def test_a_cell_whose_row_cannot_be_written_is_reported_failed_and_the_run_goes_
         def run(ctx, layers):
             ctx.record("cost", layers[0], {}, {"x": 1.0}, {}, 0.0)
 
-    monkeypatch.setattr("memzoo.bench.run.suite", lambda name: Suite)
+    monkeypatch.setattr("memzoo.bench.run.get_suite", lambda name: Suite)
     Job("baseline", ("cost",)).run(ctx)  # does not raise
     err = capsys.readouterr().err
     assert "FAILED cost baseline" in err and "No space left" in err and "the failure could not be recorded" in err
