@@ -61,10 +61,17 @@ class Preset:
     suites: dict[str, dict]
     source: str = ""
     default_suites: tuple[str, ...] = ()  # the `run:` section's suites: what a bench without --suite runs (all)
+    _parsed: dict = field(default_factory=dict, repr=False, compare=False)  # `settings`' cache
 
     def settings(self, suite: str, cls):
-        """The suite's section parsed by its Settings dataclass (unknown keys are errors)."""
-        return parse_strict(cls, self.suites.get(suite) or {}, f"{self.source}: {suite}")
+        """The suite's section parsed by its Settings dataclass (unknown keys are errors), once per
+        process and section: a later call returns the same object (treat it as read-only) until the
+        section itself changes."""
+        section = self.suites.get(suite) or {}
+        key = (suite, cls, json.dumps(section, sort_keys=True, default=str))
+        if key not in self._parsed:
+            self._parsed[key] = parse_strict(cls, section, f"{self.source}: {suite}")
+        return self._parsed[key]
 
 
 def preset_names() -> list[str]:

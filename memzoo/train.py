@@ -87,6 +87,13 @@ def lr_at(step: int, tc) -> float:
     return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
+def optimizer(model: torch.nn.Module, tc) -> torch.optim.AdamW:
+    """The optimizer of every training here (memzoo train, the toys, the cost suite's timed step): AdamW
+    over `param_groups` with tc's betas, at tc.lr, the lr of a step given none (a `make_step` step given
+    one, as a schedule does, sets every group's lr to it times the group's ``lr_scale``)."""
+    return torch.optim.AdamW(param_groups(model, tc), lr=tc.lr, betas=tuple(tc.betas))
+
+
 def param_groups(model: torch.nn.Module, tc) -> list[dict]:
     """Weight decay on matrices only; norms, biases, gates and decay rates are exempt.
     A memory layer may add groups of its own (e.g. PKM's values with their own lr) by
@@ -357,7 +364,7 @@ def train(
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     net = world.wrap(model, parallel, device)  # the module a step runs (DDP, or model sharded in place)
-    opt = torch.optim.AdamW(param_groups(model, tc), lr=tc.lr, betas=tc.betas)
+    opt = optimizer(model, tc)
     train_step = make_step(net, opt, tc.grad_clip, resolve_precision(tc.precision, device), tc.compile)
     step, history, saved = 0, [], None
     if ck is not None:

@@ -85,11 +85,11 @@ def training_step(mc, tc, batch: int, seq_len: int, device: str, precision: str 
     """memzoo train's step (`memzoo.train.make_step`: forward and backward of the LM loss, gradient
     clipping, AdamW) of a fresh model on fixed random tokens, as a call with no arguments."""
     from memzoo.backbone.model import HybridLM
-    from memzoo.train import make_step, param_groups
+    from memzoo.train import make_step, optimizer
 
     torch.manual_seed(seed)
     model = HybridLM(mc).to(device).train()
-    opt = torch.optim.AdamW(param_groups(model, tc), lr=tc.lr, betas=tuple(tc.betas))
+    opt = optimizer(model, tc)
     gen = torch.Generator().manual_seed(seed)
     x, y = (torch.randint(0, mc.vocab_size, (batch, seq_len), generator=gen).to(device) for _ in range(2))
     train_step = make_step(model, opt, tc.grad_clip, precision)

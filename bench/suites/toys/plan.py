@@ -10,7 +10,7 @@ from memzoo.registry import get_layer
 from .cell import measure
 from .lr import MAX_BEYOND
 from .models import check_route, toy_config
-from .settings import NAME, Settings
+from .settings import BETAS, NAME, Settings
 from .tasks import TASK_TYPES, Task
 
 
@@ -21,7 +21,7 @@ def cell_config(mc: ModelConfig, task: str, s: Settings, layer: str) -> dict:
             "min_lr_ratio", "weight_decay", "grad_clip", "precision", "compile", "val_size", "test_size", "solve_on")
     train = {k: getattr(s, k) for k in keep}
     config = {"model": mc.to_dict(), "task": task, "data": data, "lrs": s.candidates(layer), "train": train,
-              "optimizer": "AdamW(0.9, 0.98), warmup + cosine", "version": 3,
+              "optimizer": f"AdamW({BETAS[0]}, {BETAS[1]}), warmup + cosine", "version": 3,
               # 3: no plateau stop while the loss falls; an lr chosen at the grid's edge tries the next beyond it
               "lr_beyond_edge": MAX_BEYOND}
     if len(s.candidates(layer)) > 1:  # a grid at chance at every lr tries one lr past each edge (`search`);

@@ -17,6 +17,9 @@ from .lr import around, most_chosen, published_choice
 NAME = "toys"
 TASKS = TOYS_TASKS
 
+#: AdamW's betas in every toys training: Zoology's (they are in each cell's config, and so in its hash)
+BETAS = (0.9, 0.98)
+
 #: layers whose `chunk_size` is not a read-then-write chunk: FWL reads the earlier positions of its
 #: own chunk (Eq. 2); its chunk is the segment after which its update decays (the suite's docstring)
 SEGMENTED = ("fwl",)

@@ -14,9 +14,9 @@ from memzoo.backbone.model import HybridLM
 from memzoo.config import ModelConfig, TrainConfig
 from memzoo.data import mqar
 from memzoo.storage import torch_save
-from memzoo.train import fit, lr_at, make_step, param_groups
+from memzoo.train import fit, lr_at, make_step, optimizer
 
-from .settings import Settings
+from .settings import BETAS, Settings
 from .tasks import Task, slice_name
 
 
@@ -88,8 +88,8 @@ def train_cell(mc: ModelConfig, task: Task, lr: float, s: Settings, seed: int, d
     torch.manual_seed(seed)
     model = HybridLM(mc).to(device)
     tc = TrainConfig(lr=lr, min_lr=lr * s.min_lr_ratio, warmup=s.warmup, steps=s.max_steps, weight_decay=s.weight_decay,
-                     betas=(0.9, 0.98), grad_clip=s.grad_clip, precision=s.precision, compile=s.compile)  # Zoology's betas
-    opt = torch.optim.AdamW(param_groups(model, tc), lr=lr, betas=tc.betas)
+                     betas=BETAS, grad_clip=s.grad_clip, precision=s.precision, compile=s.compile)
+    opt = optimizer(model, tc)
     g = torch.Generator().manual_seed(seed)
     best, best_state, stale, start = -1.0, None, 0, 0
     losses, history = [], []
