@@ -7,6 +7,11 @@
     S_t     = α_t S_{t-1} (I - β_t k_t k_tᵀ) + β_t v_t k_tᵀ                 gated delta rule (ops)
     o_t     = W_o (RMSNorm(S_t q_t) ⊙ silu(W_g x_t))
 
+The same math as the `gated_deltanet` memory layer, written once: the recurrence, the decay
+(`modules.gates.gated_log_decay`, Mamba-2's init), the gated output norm (`modules.norm.gated_rms_norm`) and
+the short convolution (`modules.conv`). What differs is what a token mixer may do and a memory may not: the
+query is convolved too (a memory's read must be pointwise: memzoo/layers/_delta.py), and its parameters keep
+the names and the order of draws the published backbones were trained and seeded with.
 The recurrence is `memzoo.ops.gated_delta_rule` (chunked pure torch on CPU, fla kernels on
 CUDA, or there where fla cannot run the torch path compiled). Streaming: the cache holds the last 3 inputs of each short convolution and the
 recurrent state S, so split calls equal one call.
@@ -19,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.modules.conv import ShortConv
-from memzoo.modules.gates import mamba2_decay_init
-from memzoo.modules.norm import rms_norm
+from memzoo.modules.gates import gated_log_decay, mamba2_decay_init
+from memzoo.modules.norm import gated_rms_norm
 from memzoo.ops.gated_delta_rule import gated_delta_rule
 
 
@@ -62,7 +67,7 @@ class GatedDeltaNet(nn.Module):
         k = F.normalize(k.view(B, T, self.h, self.d).float(), dim=-1)
         v = v.view(B, T, self.h, self.d)
         beta = torch.sigmoid(self.b_proj(x).float())
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        g = gated_log_decay(self.a_proj(x).float(), self.A_log, self.dt_bias)
         # one dtype for q, k, v (fla's kernels require it; the torch path computes in fp32 anyway)
         q, k = q.to(v.dtype), k.to(v.dtype)
         o, S = gated_delta_rule(
@@ -70,7 +75,6 @@ class GatedDeltaNet(nn.Module):
             backend="auto-compiled",  # training's lengths repeat: each compiles once
         )
         # per-head RMSNorm of the read, gated by silu(W_g x)
-        of = rms_norm(o.float(), self.o_norm_weight, self.eps)
-        gate = F.silu(self.g_proj(x).view(B, T, self.h, self.d).float())
-        y = self.o_proj((of * gate).to(x.dtype).reshape(B, T, -1))
+        of = gated_rms_norm(o.float(), self.g_proj(x).view(B, T, self.h, self.d).float(), self.o_norm_weight, self.eps)
+        y = self.o_proj(of.to(x.dtype).reshape(B, T, -1))
         return y, {"conv_q": cq, "conv_k": ck, "conv_v": cv, "S": S.detach()}

@@ -30,8 +30,8 @@ from torch import Tensor, nn
 
 from memzoo.layers._delta import DeltaRuleMemory, linear
 from memzoo.layers.base import State
-from memzoo.modules.gates import mamba2_decay_init
-from memzoo.modules.norm import rms_norm
+from memzoo.modules.gates import gated_log_decay, mamba2_decay_init
+from memzoo.modules.norm import gated_rms_norm, rms_norm
 from memzoo.ops.gated_delta_rule import gated_delta_rule
 from memzoo.registration import register_layer
 
@@ -82,7 +82,7 @@ class DeltaProduct(DeltaRuleMemory):
         g = torch.zeros(B, T, self.num_householder, self.num_heads, dtype=dtype, device=x.device)
         if self.forget_gate:  # log α_t on each token's first step
             a = self.a_proj(x).to(g.dtype)
-            g0 = -self.A_log.to(a.dtype).exp() * F.softplus(a + self.dt_bias.to(a.dtype))
+            g0 = gated_log_decay(a, self.A_log, self.dt_bias)
             g = torch.cat([g0[:, :, None], g[:, :, 1:]], dim=2)
         return g.flatten(1, 2)
 
@@ -137,7 +137,8 @@ class DeltaProduct(DeltaRuleMemory):
         self.load_state({**state, **new})
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
-        o = rms_norm(o, self.o_norm_weight, self.eps)
-        if self.forget_gate:
-            o = o * F.silu(self.heads(self.g_proj(x).to(o.dtype), self.head_v_dim))
+        if self.forget_gate:  # Gated DeltaNet's output gate
+            o = gated_rms_norm(o, self.heads(self.g_proj(x).to(o.dtype), self.head_v_dim), self.o_norm_weight, self.eps)
+        else:
+            o = rms_norm(o, self.o_norm_weight, self.eps)
         return self.o_proj(o.flatten(-2).to(x.dtype))

@@ -18,14 +18,13 @@ since the decay is a scalar.) The recurrence is :mod:`memzoo.ops.gated_delta_rul
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers._delta import linear
 from memzoo.layers.base import State
 from memzoo.layers.deltanet import DeltaNet
-from memzoo.modules.gates import mamba2_decay_init
-from memzoo.modules.norm import rms_norm
+from memzoo.modules.gates import gated_log_decay, mamba2_decay_init
+from memzoo.modules.norm import gated_rms_norm
 from memzoo.ops.gated_delta_rule import gated_delta_rule
 from memzoo.registration import register_layer
 
@@ -46,7 +45,7 @@ class GatedDeltaNet(DeltaNet):
     def log_decay(self, x: Tensor) -> Tensor:
         """g_t = log α_t = −exp(A_log) softplus(W_a x_t + dt_bias): [B, T, H]."""
         a = self.a_proj(x).to(self.cdtype())
-        return -self.A_log.to(a.dtype).exp() * F.softplus(a + self.dt_bias.to(a.dtype))
+        return gated_log_decay(a, self.A_log, self.dt_bias)
 
     def scan(self, x: Tensor, state: State, q: Tensor | None) -> tuple[Tensor | None, State]:
         new: State = {}
@@ -74,5 +73,5 @@ class GatedDeltaNet(DeltaNet):
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """y = W_o (RMSNorm(o) ⊙ silu(W_g x)) per head."""
-        gate = F.silu(self.heads(self.g_proj(x).to(o.dtype), self.head_v_dim))
-        return self.o_proj((rms_norm(o, self.o_norm_weight, self.eps) * gate).flatten(-2).to(x.dtype))
+        gate = self.heads(self.g_proj(x).to(o.dtype), self.head_v_dim)
+        return self.o_proj(gated_rms_norm(o, gate, self.o_norm_weight, self.eps).flatten(-2).to(x.dtype))

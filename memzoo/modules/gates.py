@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 #: Gated DeltaNet's range of A (fla's ``uniform_(0, 16)``, kept off 0 so that log A is finite)
@@ -27,3 +28,9 @@ def mamba2_decay_init(n: int, a_range: tuple[float, float] = GDN_A_RANGE) -> tup
     """(A_log, dt_bias) of n gates: A ~ U(a_range), then `dt_bias_init` (in this order of draws)."""
     lo, hi = a_range
     return torch.empty(n).uniform_(lo, hi).log(), dt_bias_init(n)
+
+
+def gated_log_decay(a: Tensor, A_log: Tensor, dt_bias: Tensor) -> Tensor:
+    """log α_t = −exp(A_log) · softplus(a_t + dt_bias), in a's dtype: the decay of Gated DeltaNet (the
+    backbone's mixer and the layer) and DeltaProduct, a per head of a_t = W_a x_t [..., H]."""
+    return -A_log.to(a.dtype).exp() * F.softplus(a + dt_bias.to(a.dtype))

@@ -5,6 +5,7 @@ function for every use: the backbone's pre-norms, the memories' per-head norms o
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.modules.precision import compute_dtype
@@ -13,6 +14,12 @@ from memzoo.modules.precision import compute_dtype
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x / sqrt(mean(x², -1) + eps) ⊙ weight, in x's dtype."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(x.dtype)
+
+
+def gated_rms_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm(o) ⊙ silu(gate): the output gate of Gated DeltaNet (the backbone's mixer and the layer) and
+    DeltaProduct (fla's ``FusedRMSNormGated``); in the inputs' dtypes, as the caller casts them."""
+    return rms_norm(o, weight, eps) * F.silu(gate)
 
 
 class RMSNorm(nn.Module):
