@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memzoo.layers.base import MemoryLayer, State, head_size
+from memzoo.layers._matrix import MatrixMemory
+from memzoo.layers.base import State, head_size
 from memzoo.modules.conv import causal_conv_stream, conv_weights
 from memzoo.modules.precision import compute_dtype
 
@@ -40,7 +41,7 @@ def linear(d_in: int, d_out: int, bias: bool = False) -> nn.Linear:
     return lin
 
 
-class DeltaRuleMemory(MemoryLayer):
+class DeltaRuleMemory(MatrixMemory):
     """Base of the delta-rule memories; see the module docstring. Subclasses define `scan` (the
     write rule over a sequence, with the inclusive read when given queries) and may override
     `query` and `output`."""
@@ -119,16 +120,8 @@ class DeltaRuleMemory(MemoryLayer):
 
     # ---- the pairs adapter (bench/suites/pairs.py): keys and values as `keys_values` gives them;
     # a layer defines `write_pairs` (its op, its gates) and sets ``no_pairs = None``
-    def pair_dims(self) -> tuple[int, int, int]:
-        return self.num_heads, self.head_dim, self.head_v_dim
-
     def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return self.keys_values(x, self.init_state(x.shape[0]), {})
-
-    def read_keys(self, k: Tensor) -> Tensor:
-        """Sᵀ k per head: the value the memory holds at k (the read without its query scale)."""
-        S = self.state["S"]
-        return torch.einsum("bnhk,bhkv->bnhv", k.to(S.dtype), S)
 
     # ---- the MemoryLayer verbs -----------------------------------------------------------------
     def read_state(self, x: Tensor, state: State) -> Tensor:
@@ -144,13 +137,6 @@ class DeltaRuleMemory(MemoryLayer):
         return self.output(o, x), new
 
     # ---- diagnostics ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def stats(self) -> dict:
-        out = super().stats()
-        for h, n in enumerate(self.state["S"].float().pow(2).sum(dim=(0, 2, 3)).sqrt().tolist()):
-            out[f"norm/S/head{h}"] = n
-        return out
-
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"head_v_dim={self.head_v_dim}, conv_size={self.conv_size}")

@@ -34,17 +34,15 @@ paper's layer. The state, per sequence and token-recurrent: ``S`` [B, H, K, V].
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers._delta import linear
-from memzoo.layers.base import MemoryLayer, State
+from memzoo.layers._matrix import GatedLinearMemory
 from memzoo.modules.norm import rms_norm
 from memzoo.modules.precision import compute_dtype
-from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
 from memzoo.registration import register_layer
 
 
@@ -54,7 +52,7 @@ def gla_log_decay(logits: Tensor, temperature: float) -> Tensor:
 
 
 @register_layer("gla")
-class GatedLinearAttention(MemoryLayer):
+class GatedLinearAttention(GatedLinearMemory):
     """GLA as a memory layer; see the module docstring for the equations.
 
     Args:
@@ -67,13 +65,7 @@ class GatedLinearAttention(MemoryLayer):
         norm_eps: eps of the per-head RMSNorm.
     """
 
-    family = "gated_hebbian"
-    chunk_size = None
-    per_sequence = True
-    #: forward writes token t, then reads it (Sec. 4.1: o_t reads S_t)
-    inclusive: ClassVar[bool] = True
-    #: chunk length of the chunked op inside forward (any value is exact); its [C, C, K] decays stay small
-    parallel_chunk: int = 16
+    family = "gated_hebbian"  # forward writes token t, then reads it (Sec. 4.1: o_t reads S_t): GatedLinearMemory
     bench_cost = 1.3
 
     def __init__(self, d_model: int, num_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
@@ -126,53 +118,7 @@ class GatedLinearAttention(MemoryLayer):
         r = F.silu(self.heads(self.g_proj(x), self.head_v_dim)).to(o.dtype)
         return self.o_proj((o * r).flatten(-2).to(x.dtype))
 
-    # ---- state and verbs -----------------------------------------------------------------------
-    def init_state(self, batch_size: int) -> State:
-        w = self.o_proj.weight
-        return {"S": torch.zeros(batch_size, self.num_heads, self.head_dim, self.head_v_dim, dtype=self.cdtype(),
-                                 device=w.device)}
-
-    def read_state(self, x: Tensor, state: State) -> Tensor:
-        """o_t = Sᵀ q_t / √K with the memory so far; x itself is not written."""
-        S = state["S"]
-        return self.output(torch.einsum("bthk,bhkv->bthv", self.query(x).to(S.dtype), S), x)
-
-    def write_state(self, x: Tensor, state: State) -> State:
-        """S ← Diag(α_t) S + k_t v_tᵀ for every token of x, in order (Sec. 4.1)."""
-        return {"S": linear_attention_final_state(*self.keys_values(x), state["S"])}
-
-    def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
-        k, v, log_alpha = self.keys_values(x)
-        o, S = linear_attention_chunked(self.query(x), k, v, log_alpha, state["S"], chunk_size=self.parallel_chunk)
-        return self.output(o, x), {"S": S}
-
-    # ---- the pairs adapter (bench/suites/pairs.py) -----------------------------------------------
-    # Neutral: no decay (α = 1), the raw read Sᵀk (without the query's 1/√K).
-    no_pairs: ClassVar[str | None] = None
-
-    def pair_dims(self) -> tuple[int, int, int]:
-        return self.num_heads, self.head_dim, self.head_v_dim
-
-    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return self.keys_values(x)[:2]
-
-    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
-        """S ← Diag(α) S + k vᵀ a pair at a time (the layer's op); α from x, else 1."""
-        S = self.state["S"]
-        log_alpha = self.keys_values(x)[2].to(S.dtype) if x is not None else None
-        self.load_state({"S": linear_attention_final_state(k.to(S.dtype), v.to(S.dtype), log_alpha, S)})
-
-    def read_keys(self, k: Tensor) -> Tensor:
-        S = self.state["S"]
-        return torch.einsum("bnhk,bhkv->bnhv", k.to(S.dtype), S)
-
-    # ---- diagnostics ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def stats(self) -> dict:
-        out = super().stats()
-        for h, n in enumerate(self.state["S"].float().pow(2).sum(dim=(0, 2, 3)).sqrt().tolist()):
-            out[f"norm/S/head{h}"] = n
-        return out
+    # ---- state, verbs, pairs adapter (neutral: no decay, the raw read Sᵀk) and stats: GatedLinearMemory
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

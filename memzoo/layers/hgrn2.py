@@ -37,17 +37,15 @@ state, per sequence and token-recurrent: ``S`` [B, H, K, V].
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers._delta import linear
-from memzoo.layers.base import MemoryLayer, State
+from memzoo.layers._matrix import GatedLinearMemory
 from memzoo.modules.norm import rms_norm
 from memzoo.modules.precision import compute_dtype
-from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
 from memzoo.registration import register_layer
 
 
@@ -58,7 +56,7 @@ def hgrn2_key_and_decay(f_logits: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @register_layer("hgrn2")
-class HGRN2(MemoryLayer):
+class HGRN2(GatedLinearMemory):
     """HGRN-2's HGRU2 as a memory layer; see the module docstring for the equations.
 
     Args:
@@ -68,13 +66,7 @@ class HGRN2(MemoryLayer):
         norm_eps: eps of the RMSNorm.
     """
 
-    family = "gated_hebbian"
-    chunk_size = None
-    per_sequence = True
-    #: forward writes token t, then reads it (Eq. 3: y_t reads h_t)
-    inclusive: ClassVar[bool] = True
-    #: chunk length of the chunked op inside forward (any value is exact); its [C, C, K] decays stay small
-    parallel_chunk: int = 16
+    family = "gated_hebbian"  # forward writes token t, then reads it (Eq. 3: y_t reads h_t): GatedLinearMemory
     bench_cost = 1.3
 
     def __init__(self, d_model: int, expand_ratio: int = 128, num_heads: int | None = None, norm_eps: float = 1e-5):
@@ -122,54 +114,8 @@ class HGRN2(MemoryLayer):
         y = rms_norm(y, self.g_norm_weight, self.eps)
         return self.o_proj(y.to(x.dtype))
 
-    # ---- state and verbs -----------------------------------------------------------------------
-    def init_state(self, batch_size: int) -> State:
-        w = self.o_proj.weight
-        return {"S": torch.zeros(batch_size, self.num_heads, self.head_dim, self.head_v_dim, dtype=self.cdtype(),
-                                 device=w.device)}
-
-    def read_state(self, x: Tensor, state: State) -> Tensor:
-        """y_t = hᵀ o_t / √K with the memory so far; x itself is not written."""
-        S = state["S"]
-        return self.output(torch.einsum("bthk,bhkv->bthv", self.query(x).to(S.dtype), S), x)
-
-    def write_state(self, x: Tensor, state: State) -> State:
-        """h ← Diag(f_t) h + (1 − f_t) i_tᵀ for every token of x, in order (Eq. 3)."""
-        return {"S": linear_attention_final_state(*self.keys_values(x), state["S"])}
-
-    def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
-        k, v, log_f = self.keys_values(x)
-        y, S = linear_attention_chunked(self.query(x), k, v, log_f, state["S"], chunk_size=self.parallel_chunk)
-        return self.output(y, x), {"S": S}
-
-    # ---- the pairs adapter (bench/suites/pairs.py) -----------------------------------------------
-    # Neutral: no decay (f = 1, so the tie of the key to 1 − f is off: the pair's own key is written),
-    # the raw read Sᵀk (without the query's 1/√K).
-    no_pairs: ClassVar[str | None] = None
-
-    def pair_dims(self) -> tuple[int, int, int]:
-        return self.num_heads, self.head_dim, self.head_v_dim
-
-    def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return self.keys_values(x)[:2]
-
-    def write_pairs(self, k: Tensor, v: Tensor, x: Tensor | None = None) -> None:
-        """h ← Diag(f) h + k vᵀ a pair at a time (the layer's op); f from x, else 1."""
-        S = self.state["S"]
-        log_f = self.keys_values(x)[2].to(S.dtype) if x is not None else None
-        self.load_state({"S": linear_attention_final_state(k.to(S.dtype), v.to(S.dtype), log_f, S)})
-
-    def read_keys(self, k: Tensor) -> Tensor:
-        S = self.state["S"]
-        return torch.einsum("bnhk,bhkv->bnhv", k.to(S.dtype), S)
-
-    # ---- diagnostics ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def stats(self) -> dict:
-        out = super().stats()
-        for h, n in enumerate(self.state["S"].float().pow(2).sum(dim=(0, 2, 3)).sqrt().tolist()):
-            out[f"norm/S/head{h}"] = n
-        return out
+    # ---- state, verbs, pairs adapter and stats: GatedLinearMemory. The adapter's neutral write has no decay
+    # (f = 1, so the tie of the key to 1 − f is off: the pair's own key is written) and reads Sᵀk.
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_heads={self.num_heads}, expand_ratio={self.head_dim}, "

@@ -53,7 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memzoo.layers.base import MemoryLayer, State, head_size
+from memzoo.layers._matrix import MatrixMemory
+from memzoo.layers.base import State, head_size
 from memzoo.modules.precision import compute_dtype
 from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
 from memzoo.registration import register_layer
@@ -62,7 +63,7 @@ FEATURE_MAPS = ("elu", "identity", "l2")
 
 
 @register_layer("linear")
-class LinearAttentionMemory(MemoryLayer):
+class LinearAttentionMemory(MatrixMemory):
     """Linear attention / fast weight programmer; see the module docstring for the equations.
 
     Args:
@@ -227,16 +228,10 @@ class LinearAttentionMemory(MemoryLayer):
         S = self._pack(self.state)
         self.load_state(self._unpack(linear_attention_final_state(k.to(S.dtype), v.to(S.dtype), log_decay, S)))
 
-    def read_keys(self, k: Tensor) -> Tensor:
-        return torch.einsum("bnhk,bhkv->bnhv", k.to(self.state["S"].dtype), self.state["S"])
-
     # ---- diagnostics ---------------------------------------------------------------------
     @torch.no_grad()
     def stats(self) -> dict:
-        out = super().stats()
-        S = self.state["S"].float()
-        for h, n in enumerate(S.pow(2).sum(dim=(0, 2, 3)).sqrt().tolist()):
-            out[f"norm/S/head{h}"] = n
+        out = super().stats()  # the per-head norms of S (MatrixMemory)
         if self.decay:
             for h, b in enumerate(torch.sigmoid(self.decay_proj.bias.float()).tolist()):
                 out[f"decay/bias/head{h}"] = b  # λ of a zero input

@@ -57,7 +57,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers._delta import linear
-from memzoo.layers.base import MemoryLayer, State
+from memzoo.layers._matrix import MatrixMemory
+from memzoo.layers.base import State
 from memzoo.modules.conv import causal_conv_stream, conv_weights
 from memzoo.modules.gates import MAMBA2_A_RANGE, mamba2_decay_init
 from memzoo.modules.norm import rms_norm
@@ -74,7 +75,7 @@ def ssd_read(S: Tensor, C: Tensor, B: Tensor, x: Tensor, dt: Tensor, log_a: Tens
 
 
 @register_layer("mamba2")
-class Mamba2(MemoryLayer):
+class Mamba2(MatrixMemory):
     """The Mamba-2 block as a memory layer; see the module docstring for the equations.
 
     Args:
@@ -202,19 +203,7 @@ class Mamba2(MemoryLayer):
         log_a = self.project(x, self.init_state(x.shape[0]))[5].to(S.dtype) if x is not None else None
         self.load_state({**self.state, "S": linear_attention_final_state(k.to(S.dtype), v.to(S.dtype), log_a, S)})
 
-    def read_keys(self, k: Tensor) -> Tensor:
-        """hᵀ k per head: the value the memory holds at key k."""
-        S = self.state["S"]
-        return torch.einsum("bnhk,bhkv->bnhv", k.to(S.dtype), S)
-
     # ---- diagnostics ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def stats(self) -> dict:
-        out = super().stats()
-        for h, n in enumerate(self.state["S"].float().pow(2).sum(dim=(0, 2, 3)).sqrt().tolist()):
-            out[f"norm/S/head{h}"] = n
-        return out
-
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, d_state={self.d_state}, head_dim={self.head_dim}, "
                 f"num_heads={self.num_heads}, expand={self.expand}, conv_size={self.conv_size}")

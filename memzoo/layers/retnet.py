@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memzoo.layers._delta import linear
-from memzoo.layers.base import MemoryLayer, State
+from memzoo.layers._matrix import MatrixMemory
+from memzoo.layers.base import State
 from memzoo.layers.lact import rope
 from memzoo.modules.norm import rms_norm
 from memzoo.modules.precision import compute_dtype
@@ -56,7 +57,7 @@ def retention_decays(num_heads: int) -> Tensor:
 
 
 @register_layer("retnet")
-class MultiScaleRetention(MemoryLayer):
+class MultiScaleRetention(MatrixMemory):
     """RetNet's multi-scale retention as a memory layer; see the module docstring for the equations.
 
     Args:
@@ -161,9 +162,6 @@ class MultiScaleRetention(MemoryLayer):
     # initial state gives them (0, 1, ...), as `pair_inputs` returns them.
     no_pairs: ClassVar[str | None] = None
 
-    def pair_dims(self) -> tuple[int, int, int]:
-        return self.num_heads, self.head_dim, self.head_v_dim
-
     def pair_inputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return self.keys_values(x, self.init_state(x.shape[0]))[:2]
 
@@ -174,18 +172,7 @@ class MultiScaleRetention(MemoryLayer):
         S = linear_attention_final_state(k.to(S.dtype), v.to(S.dtype), log_gamma, S)
         self.load_state({"S": S, "pos": self.state["pos"] + k.shape[1]})
 
-    def read_keys(self, k: Tensor) -> Tensor:
-        S = self.state["S"]
-        return torch.einsum("bnhk,bhkv->bnhv", k.to(S.dtype), S)
-
     # ---- diagnostics ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def stats(self) -> dict:
-        out = super().stats()
-        for h, n in enumerate(self.state["S"].float().pow(2).sum(dim=(0, 2, 3)).sqrt().tolist()):
-            out[f"norm/S/head{h}"] = n
-        return out
-
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"head_v_dim={self.head_v_dim}, gammas={[round(math.exp(g), 6) for g in self.log_gamma.tolist()]}")
