@@ -6,12 +6,16 @@ report: `memzoo leaderboard`) imports none."""
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["MemoryLayer", "build_layer", "get_layer", "layer_names", "register_layer", "__version__"]
+__all__ = ["MemoryLayer", "attach", "build_layer", "detach", "get_layer", "layer_names", "register_layer", "__version__"]
 
 
 def __getattr__(name: str):
     if name == "MemoryLayer":
         from memzoo.layers.base import MemoryLayer as value
+    elif name == "attach":  # the module, callable: memzoo.attach(model, ...) and memzoo.attach.from_pretrained
+        import memzoo.attach as value
+    elif name == "detach":
+        from memzoo.attach import detach as value
     elif name in ("build_layer", "get_layer", "layer_names", "register_layer"):
         from memzoo import registry
 

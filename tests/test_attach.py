@@ -1,0 +1,271 @@
+"""memzoo.attach: a memory in a Hugging Face causal LM, on randomly initialised tiny configs of each
+supported architecture (Llama, Mistral, Qwen2, GPT-2; d = 32, two decoder layers, built offline).
+
+Unchanged outputs at insertion; generate (greedy) equals the full forward step by step; left padding
+leaves a sequence's outputs unchanged; save/reload identical; detach gives the plain model back;
+gradients reach the memory's slow weights; and every registered layer (plugins too) attaches.
+The gates are moved off zero (`open_gates`) wherever a test needs the memories to matter.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import pytest
+import torch
+from torch import nn
+
+import memzoo
+from memzoo.attach import attachments, from_pretrained, memories
+from memzoo.registry import get_layer, layer_names
+from tests.conftest import layer_options, layer_test, perturb
+
+V, PROMPT, NEW = 64, 7, 6
+SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=V)
+
+
+def build(arch: str, dtype=torch.float64) -> nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=V, n_positions=64,
+                                                 bos_token_id=1, eos_token_id=2))
+    else:
+        cfg, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+                    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[arch]
+        model = cls(cfg(**SIZES, bos_token_id=1, eos_token_id=2))
+    model.generation_config.eos_token_id = None  # greedy decoding runs its NEW steps (no stop)
+    return model.to(dtype).eval()
+
+
+ARCHS = ["llama", "mistral", "qwen2", "gpt2"]
+
+
+def open_gates(model, scale: float = 1.0) -> None:
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for a in attachments(model):
+            a.gate.normal_(0.0, scale)
+
+
+def ids(b: int, t: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, V, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def shared_state(model) -> list:
+    """The shared persistent memories' fast weights (they outlive a call), to put back."""
+    return [{k: v.clone() for k, v in m.state.items()} if not m.per_sequence else None for m in memories(model)]
+
+
+def put_back(model, states) -> None:
+    for m, st in zip(memories(model), states):
+        if st is not None:
+            m.load_state(st)
+
+
+def where(layer: str) -> str:
+    return get_layer(layer).default_where or "all"
+
+
+def attached(arch: str, layer: str = "lact", gates: bool = True, dtype=torch.float64):
+    model = build(arch, dtype)
+    memzoo.attach(model, layer, at=where(layer), **layer_options(layer))
+    if gates:
+        open_gates(model)
+    return model
+
+
+def check_generate(model, prompt: torch.Tensor) -> None:
+    with torch.no_grad():
+        before = shared_state(model)
+        out = model.generate(prompt, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        put_back(model, before)
+        full = model(out.sequences).logits
+    T = prompt.shape[1]
+    assert out.sequences.shape == (prompt.shape[0], T + NEW)
+    torch.testing.assert_close(torch.stack(out.logits, 1), full[:, T - 1 : -1].float(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(out.sequences[:, T:], full[:, T - 1 : -1].argmax(-1))  # greedy = argmax, step by step
+
+
+# ---- per architecture ---------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attach_leaves_outputs_unchanged(arch):
+    model = build(arch)
+    x = ids(2, PROMPT)
+    with torch.no_grad():
+        ref = model(x).logits
+        memzoo.attach(model, "lact", at="all", **layer_options("lact"))
+        memzoo.attach(model, "pkm", at=0, **layer_options("pkm"))  # beside the FFN
+        out = model(x).logits
+    assert len(attachments(model)) == 3
+    assert (out - ref).abs().max().item() <= 1e-6
+    open_gates(model)
+    with torch.no_grad():
+        assert (model(x).logits - ref).abs().max().item() > 1e-3  # the memories now matter
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attach_generate_matches_forward(arch):
+    """The prompt (7 tokens) ends inside LaCT's chunk of 8: decoding completes it a token at a time."""
+    check_generate(attached(arch), ids(2, PROMPT))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attach_left_padding_leaves_a_sequence_unchanged(arch):
+    model = attached(arch)
+    a, b = ids(1, 5, seed=4), ids(1, PROMPT, seed=5)
+    batch = torch.cat([torch.cat([torch.zeros(1, 2, dtype=torch.long), a], 1), b])
+    mask = torch.ones_like(batch)
+    mask[0, :2] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        padded = model(batch, attention_mask=mask, position_ids=pos).logits
+        alone_a, alone_b = model(a).logits, model(b).logits
+        torch.testing.assert_close(padded[0, 2:], alone_a[0], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(padded[1], alone_b[0], rtol=1e-9, atol=1e-9)
+        gen = model.generate(batch, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        gen_a = model.generate(a, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=0)
+    assert torch.equal(gen.sequences[0, 2:], gen_a.sequences[0])
+    torch.testing.assert_close(torch.stack(gen.logits, 1)[0], torch.stack(gen_a.logits, 1)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attach_save_and_reload_identical(arch, tmp_path):
+    # fp32: a float64 model reloads its RoPE frequencies in fp32 (transformers keeps them so)
+    model = attached(arch, dtype=torch.float32)
+    memzoo.attach(model, "pkm", at=[-1], **layer_options("pkm"))
+    open_gates(model)
+    x = ids(2, PROMPT)
+    with torch.no_grad():
+        ref = model(x).logits
+    model.save_pretrained(tmp_path)
+    again = from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert again.config.memzoo_attach == [
+        {"layer": "lact", "at": [0, 1], "options": layer_options("lact")},
+        {"layer": "pkm", "at": [1], "options": layer_options("pkm")},
+    ]
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, ref)
+    memzoo.detach(again).save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="records no attached memory"):
+        from_pretrained(str(tmp_path / "plain"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_detach_restores_the_plain_model(arch):
+    model = build(arch)
+    x = ids(2, PROMPT)
+    with torch.no_grad():
+        ref = model(x).logits
+        keys = set(model.state_dict())
+        memzoo.attach(model, "deltanet", at="all", **layer_options("deltanet"))
+        open_gates(model)
+        assert (model(x).logits - ref).abs().max() > 1e-3
+        assert memzoo.detach(model) is model
+        assert torch.equal(model(x).logits, ref)
+    assert set(model.state_dict()) == keys and not hasattr(model.config, "memzoo_attach")
+    assert attachments(model) == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_gradients_reach_the_memory(arch):
+    model = attached(arch, "deltanet", gates=False).train()
+    x = ids(2, 12)
+    model(x, labels=x).loss.backward()
+    gates = [a.gate.grad for a in attachments(model)]
+    assert all(g is not None and g.abs().sum() > 0 for g in gates)  # at insertion: the gates learn first
+    model.zero_grad()
+    open_gates(model, 0.1)
+    model(x, labels=x).loss.backward()
+    for n, p in memories(model)[0].named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+
+
+# ---- every registered layer ------------------------------------------------------------------------
+@pytest.mark.parametrize("layer", layer_names())
+def test_every_layer_attaches(layer):
+    """On one architecture (taking turns): unchanged at insertion; generate = forward once the gates
+    are open; every slow weight gets a gradient (a sequence of several chunks, so writes matter; the
+    layer's `grad_exempt` patterns of tests/conftest.py excepted)."""
+    arch = ARCHS[layer_names().index(layer) % len(ARCHS)]
+    model = build(arch)
+    x = ids(2, PROMPT)
+    with torch.no_grad():
+        ref = model(x).logits
+        memzoo.attach(model, layer, at=where(layer), **layer_options(layer))
+        before = shared_state(model)
+        assert (model(x).logits - ref).abs().max().item() <= 1e-6
+        put_back(model, before)
+    open_gates(model)
+    perturb(memories(model)[-1], 0.05)  # off its zero inits (as the property suite), so no gradient is zero by init
+    check_generate(model, x)
+    model.train()
+    long = ids(2, 20, seed=7)
+    model(long, labels=long).loss.backward()
+    exempt = layer_test(layer)["grad_exempt"]
+    for n, p in memories(model)[-1].named_parameters():
+        if p.requires_grad and not any(fnmatch.fnmatch(n, pat) for pat in exempt):
+            assert p.grad is not None and p.grad.abs().sum() > 0, n
+
+
+# ---- errors and what is refused ----------------------------------------------------------------------
+def test_attach_refuses_what_it_cannot_do():
+    import transformers as tf
+
+    with pytest.raises(TypeError, match="Llama, Mistral, Qwen2 and GPT-2"):
+        memzoo.attach(nn.Linear(4, 4), "deltanet", at="all")
+    t5 = tf.T5ForConditionalGeneration(tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=V))
+    with pytest.raises(TypeError, match="encoder-decoder"):
+        memzoo.attach(t5, "deltanet", at="all")
+    model = build("llama")
+    with pytest.raises(ValueError, match="out of range"):
+        memzoo.attach(model, "deltanet", at=5)
+    with pytest.raises(ValueError, match="say where"):
+        memzoo.attach(model, "deltanet")
+    with pytest.raises(ValueError, match="last decoder layer"):
+        memzoo.attach(model, "fwl", at=0, **layer_options("fwl"))
+    with pytest.raises(ValueError, match="unknown option"):
+        memzoo.attach(model, "deltanet", at=0, nonsense=1)
+    assert not hasattr(model.config, "memzoo_attach")  # nothing half-attached
+
+
+def test_padding_with_a_shared_memory_is_refused():
+    model = attached("llama", "fwpkm")
+    x = ids(2, 5)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match="one length"):
+        model(x, attention_mask=mask)
+    model(x, attention_mask=torch.ones_like(x))  # all ones: fine
+
+
+def test_memzoo_attach_is_the_module_and_the_verb():
+    import memzoo.attach as module
+
+    assert memzoo.attach is module and callable(memzoo.attach) and memzoo.detach is module.detach
+
+
+@pytest.mark.parametrize("layer", ["fwl", "mom"])
+def test_padded_training_rows_and_aux_loss(layer):
+    """A padded batch with labels: FWL's targets (the next tokens) are a row's own; MoM's
+    load-balancing loss is added to the model's loss."""
+    model = attached("llama", layer)
+    perturb(memories(model)[-1], 0.05)
+    a, b = ids(1, 10, seed=4), ids(1, 12, seed=5)
+    batch = torch.cat([torch.cat([torch.zeros(1, 2, dtype=torch.long), a], 1), b])
+    mask = torch.ones_like(batch)
+    mask[0, :2] = 0
+    out = model(batch, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                labels=batch.masked_fill(mask == 0, -100))
+    alone = model(a, labels=a)
+    torch.testing.assert_close(out.logits[0, 2:], alone.logits[0], rtol=1e-9, atol=1e-9)
+    aux = [m.aux_loss for m in memories(model) if m.aux_loss is not None]
+    assert len(aux) == (2 if layer == "mom" else 0)  # (at every layer)
+    if aux:
+        plain = torch.nn.functional.cross_entropy(alone.logits[0, :-1], a[0, 1:])
+        torch.testing.assert_close(alone.loss, plain + sum(aux))
