@@ -3,7 +3,10 @@
 A *preset* (``zoo_configs/bench/<name>.yaml``) fixes everything a comparison depends on:
 
     model:     ModelConfig fields of the plain backbone every layer is plugged into
-    layers:    per memory layer, where it goes (``at``: "1,3", "all", "last") and its options
+    sizes:     ``{column: cpu}``: every layer of ``zoo_configs/sizes.yaml`` where that table places it
+               and with that column's options (the CPU presets' base says so; the paper preset does not)
+    layers:    per memory layer, where it goes (``at``: "1,3", "all", "last") and its options: what the
+               preset changes over ``sizes`` (options key by key)
     train:     TrainConfig fields of the language model that the ppl and niah suites train
     toys / ppl / niah / cost:   each suite's settings (checked by that suite's Settings class)
 
@@ -35,7 +38,8 @@ from pathlib import Path
 
 from memzoo.bench.schema import BASELINE, CONTROLS, NEGATIVE, POSITIVE, SUITE_NAMES as SUITES  # noqa: F401
 from memzoo.config import (
-    ConfigError, ModelConfig, TrainConfig, check_layer_options, config_dir, parse_strict, read_config,
+    ConfigError, ModelConfig, TrainConfig, check_layer_options, config_dir, layer_sizes, merge_config, parse_strict,
+    read_config,
 )
 
 RESULTS = "results.jsonl"
@@ -95,14 +99,14 @@ def load_preset(name: str) -> Preset:
         path = config_dir() / "bench" / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"no bench preset {name!r}; shipped presets: {', '.join(preset_names())}, or give a YAML path")
-    data, bases = read_config(path, ("model", "layers", "train", "run", *SUITES), shipped=config_dir() / "bench")
+    data, bases = read_config(path, ("model", "layers", "train", "run", *SUITES, "sizes"), shipped=config_dir() / "bench")
     try:  # check the backbone, the layers and the LM now, not at the first model
         backbone = ModelConfig.from_dict(data.get("model"), "model")
         TrainConfig.from_dict(data.get("train"), "train")
         if not isinstance(data.get("layers") or {}, dict):
             raise ConfigError(f"layers: expected a mapping, got {type(data['layers']).__name__}")
         layers = {}
-        for k, v in (data.get("layers") or {}).items():
+        for k, v in merge_config(_sized_layers(data.get("sizes")), data.get("layers") or {}).items():
             spec = parse_strict(LayerSpec, v, f"layers.{k}")
             k = check_layer_options(k, spec.options, backbone.d_model, f"layers.{k}")
             try:
@@ -127,6 +131,17 @@ def load_preset(name: str) -> Preset:
         source=str(path),
         default_suites=tuple(run.get("suites", ())),
     )
+
+
+def _sized_layers(sizes) -> dict:
+    """A preset's ``sizes: {column: C}``: each row of zoo_configs/sizes.yaml as a `layers:` entry, its
+    `at` and its column C's options; no `sizes:`, none (each layer at its class defaults)."""
+    if not sizes:
+        return {}
+    if not isinstance(sizes, dict) or set(sizes) != {"column"} or sizes["column"] == "at":
+        raise ConfigError(f"sizes: expected {{column: NAME}}, a column of zoo_configs/sizes.yaml (e.g. cpu), got {sizes!r}")
+    options = layer_sizes(sizes["column"])
+    return {name: {"at": at, "options": options[name]} for name, at in layer_sizes("at").items()}
 
 
 def check_layers(names: list[str]) -> list[str]:

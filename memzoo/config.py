@@ -13,7 +13,9 @@ Bench presets (`zoo_configs/bench/*.yaml`) use the same `model:` and `train:` se
 `base:`), plus their own (see memzoo.bench.common).
 
 `zoo_configs/paper/*.yaml` are the paper's Table 2 rows; `zoo_configs/tiny/*.yaml` are CPU
-presets; each states what differs from its directory's `_base.yaml`. A config name without a
+presets; each states what differs from its directory's `_base.yaml`. A memory layer's options may be
+the name of a column of `zoo_configs/sizes.yaml` (``memory: {mom: cpu}``): the layer's row there
+(`layer_sizes`), the one place a built-in layer's CPU sizes are written. A config name without a
 path (e.g. "paper/gdn") is looked up among them; files named `_*.yaml` are bases, not listed.
 
 Every field is checked when a config is loaded: its type (an int is not 1.5, "768" or true; a
@@ -24,8 +26,10 @@ line naming the key, e.g. `train.lr must be a number > 0, got 'abc' (str)`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import typing
@@ -135,6 +139,48 @@ def check_layer_options(name: str, options, d_model: int, where: str) -> str:
     return cls.name
 
 
+# ---- the layers' sizes table ------------------------------------------------------------------
+
+#: the columns of zoo_configs/sizes.yaml (its header says who reads which)
+SIZE_COLUMNS = ("at", "cpu", "test", "toys")
+
+
+@functools.cache
+def _sizes_table() -> dict:
+    path = config_dir() / "sizes.yaml"
+    rows = yaml.safe_load(path.read_text()) or {}
+    for name, row in rows.items():
+        if not isinstance(row, dict) or set(row) - set(SIZE_COLUMNS) or any(
+                not isinstance(row[c], dict) for c in row if c != "at"):
+            raise ConfigError(f"{path}: {name}: expected a mapping of {', '.join(SIZE_COLUMNS)} (each but `at` a "
+                              f"mapping of options), got {row!r}")
+    return rows
+
+
+def layer_sizes(column: str) -> dict:
+    """Column `column` of zoo_configs/sizes.yaml, the built-in layers' CPU sizes: {layer: value} for
+    every row (a fresh copy); a row without the column gets its class defaults ({} options, `at` None)."""
+    if column not in SIZE_COLUMNS:
+        raise ConfigError(f"no column {column!r} in zoo_configs/sizes.yaml; its columns: {', '.join(SIZE_COLUMNS)}")
+    return {name: copy.deepcopy(row.get(column, None if column == "at" else {})) for name, row in _sizes_table().items()}
+
+
+def _sized_options(name: str, column: str, where: str):
+    """A memory layer's options given as a column of the sizes table: its row's (the name as given
+    where it names no registered layer, for `check_layer_options` to report)."""
+    from memzoo.registry import get_layer
+
+    try:
+        key = get_layer(str(name)).name
+    except ValueError:
+        return column
+    if column == "at" or column not in SIZE_COLUMNS or key not in _sizes_table():
+        raise ConfigError(f"{where}: {column!r} names no options of layer {key!r} in zoo_configs/sizes.yaml "
+                          f"(its option columns: {', '.join(c for c in SIZE_COLUMNS if c != 'at')}; rows: the "
+                          f"built-in layers)")
+    return layer_sizes(column)[key]
+
+
 @dataclass
 class ModelConfig:
     """The hybrid backbone (paper defaults: Table 3)."""
@@ -181,6 +227,8 @@ class ModelConfig:
         placed = [name for name, _ in layout.memories]
         memory = {}
         for name, opts in self.memory.items():
+            if isinstance(opts, str):  # a column of zoo_configs/sizes.yaml: the layer's row there
+                opts = _sized_options(name, opts, f"{where}.memory.{name}")
             key = check_layer_options(name, opts, self.d_model, f"{where}.memory.{name}")
             if key in memory:  # e.g. `fwpkm` in a base and `FwPKM` in the file: say so, do not drop one
                 raise ConfigError(f"{where}.memory names layer {key!r} twice (as {name!r} too)")
@@ -327,13 +375,13 @@ def read_yaml(path: Path, sections: tuple[str, ...]) -> dict:
     return data
 
 
-def _merge(base: dict, over: dict) -> dict:
+def merge_config(base: dict, over: dict) -> dict:
     """`base` with `over`'s keys on top; mappings under the same key merge key by key (an empty
     value, e.g. a bare `model:`, changes nothing)."""
     out = dict(base)
     for k, v in over.items():
         if isinstance(out.get(k), dict) and (v is None or isinstance(v, dict)):
-            out[k] = _merge(out[k], v or {})
+            out[k] = merge_config(out[k], v or {})
         else:
             out[k] = v
     return out
@@ -365,7 +413,7 @@ def read_config(path: Path, sections: tuple[str, ...], _seen: tuple[Path, ...] =
     for k, v in under.items():
         if v is not None and not isinstance(v, dict):
             raise ConfigError(f"{base}: {k}: expected a mapping, got {type(v).__name__}")
-    return _merge(under, data), [base, *bases]
+    return merge_config(under, data), [base, *bases]
 
 
 def load_config(name: str | Path) -> RunConfig:

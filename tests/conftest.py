@@ -1,10 +1,11 @@
 """What the tests know about each memory layer, and helpers the test files share.
 
-LAYER_TESTS holds, per registered layer name, what the tests need and the layer itself does
-not (the layer classes carry nothing test-only). Every key is optional:
+A built-in layer's options in the tests (build_layer kwargs for d_model = 32: tiny sizes, and any
+other value that differs from the layer's default, with the reason beside it) are its `test` column
+of zoo_configs/sizes.yaml, the table of every layer's sizes. LAYER_TESTS holds, per registered layer
+name, what else the tests need and the layer itself does not (the layer classes carry nothing
+test-only). Every key is optional:
 
-  options      build_layer kwargs for d_model = 32: tiny sizes, and any other value that
-               differs from the layer's default, with the reason beside it.
   iterative    True = writing the same data again improves recall (gradient-style writes): the
                memorization property then checks that a second write lowers the error.
   targets      for needs_targets layers: x [B, T, D] -> targets [B, T]; sliced along dim 1
@@ -13,9 +14,9 @@ not (the layer classes carry nothing test-only). Every key is optional:
                forward (say why).
   train_steps  steps of the memorization property's brief training (200; say why a layer needs more).
 
-A layer without an entry (a user's plugin layer) is tested with its constructor defaults and
-`iterative=False`. A plugin supplies its own entries with a module-level dict in the module
-that defines the layer, in the same form:
+A layer without a row or an entry (a user's plugin layer) is tested with its constructor defaults
+and `iterative=False`. A plugin supplies its own entries, options included, with a module-level dict
+in the module that defines the layer:
 
     MEMZOO_TESTS = {"mylayer": {"options": {"hidden": 16}, "iterative": True}}
 
@@ -39,11 +40,12 @@ if not torch.cuda.is_available():
 # research/ (one-off experiments, not installed) is imported from the checkout by its tests
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from memzoo.config import layer_sizes  # noqa: E402
 from memzoo.layers.base import MemoryLayer  # noqa: E402
 from memzoo.registry import build_layer  # noqa: E402
 from memzoo.registry import get_layer
 
-D = 32  # the d_model of LAYER_TESTS' options
+D = 32  # the d_model of the tests' layer options (the `test` column of zoo_configs/sizes.yaml)
 #: a tiny HybridLM backbone for the layers' in-a-model tests: two blocks, 50 tokens
 TINY_LM = dict(d_model=D, n_layers=2, vocab_size=50, ffn_dim=64, gdn_heads=2, gdn_head_dim=16,
                attn_heads=2, attn_kv_heads=1, attn_head_dim=16, window=8)
@@ -57,107 +59,67 @@ def _fwl_targets(x: torch.Tensor) -> torch.Tensor:
 
 
 LAYER_TESTS: dict[str, dict] = {
-    "ba": {"options": {"hidden_size": 32}},
     "fwl": {
-        # tiny sizes; a large step so the fast term is far from vacuous in the fp64 checks.
-        # Not iterative: the gradients are taken at the slow weights, so writing the same data
-        # twice adds the same update twice.
-        "options": dict(expansion=2, chunk_size=4, step_size=0.05, decay=0.8),
+        # Not iterative: the gradients are taken at the slow weights, so writing the same data twice adds
+        # the same update twice.
         "targets": _fwl_targets,
     },
-    "fwmlp": {
-        # Tiny sizes. The paper's write (lr 0.1 on an MSE averaged over samples and features)
-        # moves a fresh MLP by under 1% of its memorisation error per write: FwMLP is by design a
-        # weak one-shot memory, and with detached writes no slow-weight gradient rewards larger
-        # updates. The suite checks the write/read mechanism, so it uses lr 1 and lets the slow
-        # weights learn through the update, as the release trains (create_graph in training). The
-        # paper's defaults are tested in tests/test_fwmlp.py.
-        "options": {"input_dim": 16, "intermediate_dim": 32, "output_dim": 16, "chunk_size": 8, "lr": 1.0,
-                    "grad_through_update": True},
-        "iterative": True,  # SGD steps on the memorisation loss: a second write corrects the error left
-    },
-    "fwpkm": {
-        # Tiny sizes. The addressing loss's pull on a key scales like 1/(chunk length) per query,
-        # so the paper's weight 10 (tuned for 512-token chunks over 512 sub-keys) swamps a
-        # 16-token write over 16 sub-keys; 1.0 (the release's) fits.
-        "options": dict(key_dim=16, value_dim=16, topk=2, n_subkeys=16, chunk_size=8, addr_loss_weight=1.0),
-        "iterative": True,  # gradient steps on the touched values (Eq. 35)
-    },
+    "fwmlp": {"iterative": True},  # SGD steps on the memorisation loss: a second write corrects the error left
+    "fwpkm": {"iterative": True},  # gradient steps on the touched values (Eq. 35)
     "lact": {
-        # 2 heads of 16, 8-token chunks, RoPE on heads of 16. The base rate is raised from 1e-3
-        # to 0.1 (an 8-token write at 1e-3 moves the weight-normalised fast weights by ~0.1%; the
-        # suite's 200-step training would first have to learn the rate up); everything else is
-        # the reference's default.
-        "options": {"num_heads": 2, "chunk_size": 8, "rope_head_dim": 16, "base_lr": 0.1},
         # Not iterative: the dot-product loss is linear in f, so its gradient does not shrink as
         # recall improves (W1's step η v hᵀ does not even depend on W1: a Hebbian write, as in
         # linear attention). Writing the same pairs twice re-adds the same outer products (plus
         # momentum) and renormalises; it corrects no error. Measured at the suite's sizes (8 pairs,
-        # these options): recall MSE 0.034 after one write, 0.061 after two (RoPE: the second copy
+        # its test options): recall MSE 0.034 after one write, 0.061 after two (RoPE: the second copy
         # sits at other positions); 0.0285 vs 0.0298 without RoPE.
         "iterative": False,
     },
-    "mom": {"options": dict(num_memories=4, topk=2, num_heads=2, head_dim=16, conv_size=4)},
-    # the delta-rule memories: 2 heads of 16; the chunked ops at chunks of 4 run several chunks in the
-    # suite's 24- and 48-token sequences
     # iterative: each write is an SGD step on ½‖Sᵀk − v‖², so writing the pairs again corrects what is left
-    "deltanet": {"options": dict(num_heads=2, head_dim=16), "iterative": True},
+    "deltanet": {"iterative": True},
     # silu output gate W_g x (no bias): the memorization property's queries are zero-mean random keys, so
     # the gate's sign is random per query until W_g learns gates that grow with |x|: it needs 600 steps
     # (measured: docs/adding-a-layer.md, "What went wrong the first time")
-    "gated_deltanet": {"options": dict(num_heads=2, head_dim=16), "train_steps": 600},
-    "deltaproduct": {"options": dict(num_heads=2, head_dim=16, num_householder=2, forget_gate=True),
-                     "train_steps": 600},  # the forget gate brings Gated DeltaNet's output gate (above)
-    "kda": {"options": dict(num_heads=2, head_dim=16), "iterative": True},  # (as DeltaNet)
-    "rwkv7": {"options": dict(num_heads=2, head_dim=16)},
-    # RetNet: 2 heads of K = 16 and V = 32 (the paper's widths d and 2d); swish output gate as Gated DeltaNet's
-    "retnet": {"options": dict(num_heads=2), "train_steps": 600},
-    # the gated Hebbian memories: heads of 16 as the delta-rule layers'. Mamba-2: expand 1 and N = 16, so
-    # 2 heads of P = 16 (the paper's E = 2, N = 128 would give a state 16x the peers'); its output is
-    # gated by silu(z), so the memorisation property's brief training takes Gated DeltaNet's 600 steps
-    # (same reason: the gate's sign is random per query until W_in learns it)
-    "mamba2": {"options": dict(d_state=16, head_dim=16, expand=1), "train_steps": 600},
-    # log-linear Mamba-2: Mamba-2's sizes and its silu(z) gate, the default 15 levels (2^14 tokens); measured at
-    # these options: recall 0.24 after 200 steps, 0.88 after 600 (Mamba-2's gate, as above)
-    "loglinear_mamba2": {"options": dict(d_state=16, head_dim=16, expand=1), "train_steps": 600},
-    # GLA: expand_k 1 for keys of 16 (the paper's D/2 gives 8 at D = 32). Its swish output gate as above, and
-    # raw (not L2-normalised) q and k: 1200 steps (docs/journal/toys.md, 2026-12-06)
-    "gla": {"options": dict(num_heads=2, expand_k=1.0), "train_steps": 1200},
-    # HGRN-2: expansion K = 16, so 2 heads of K = V = 16 (the paper's K = 128 exceeds D = 32)
-    "hgrn2": {"options": dict(expand_ratio=16)},
-    # GSA: 2 heads of K = V = 16 with m = 8 slots, one per pair of the memorisation property (the paper's 64
-    # slots would give a state 8x the peers'). The forget gate both picks a pair's slot and lets it in, and
-    # W_α has to learn that from the keys: 600 steps (measured at these options: recall 0.19 after 200
-    # steps, 0.35 after 400, 0.45 after 600, 0.57 after 1200; 16 slots learn slower, 0.15 after 200)
-    "gsa": {"options": dict(num_heads=2, num_slots=8), "train_steps": 600},
-    # MesaNet: 2 heads of 16 (fla's 16 heads of 128 would give a state 2x128x the peers'). Not iterative: the
-    # closed-form regression; writing the pairs again only halves the regulariser's weight, it corrects no
-    # error. 600 steps: its forget strength γ = sigmoid(W_γ x + b_γ) starts at 1/2 (fla's zero bias), and
-    # the regulariser λ = 1 outweighs a few β-weighted writes; measured at these options: recall 0.13 after
-    # 200 steps (chance), 1.00 after 600
-    "mesanet": {"options": dict(num_heads=2, head_dim=16), "train_steps": 600},
-    # the test-time-training memories: 2 heads of 16, mini-batches / chunks of 4 (several in the suite's
-    # sequences); gradient steps on a regression loss, so a second write corrects what the first left
-    "ttt_linear": {"options": dict(num_heads=2, head_dim=16, mini_batch_size=4), "iterative": True},
-    # the release's base lr (0.1) moves the inner MLP 10x less a step than TTT-Linear's 1.0; and the
-    # suite's brief training lifts the N(0, 0.02)-initialised MLP out of its flat start slowly: 600 steps
+    "gated_deltanet": {"train_steps": 600},
+    "deltaproduct": {"train_steps": 600},  # the forget gate brings Gated DeltaNet's output gate (above)
+    "kda": {"iterative": True},  # (as DeltaNet)
+    "retnet": {"train_steps": 600},  # its swish output gate, as Gated DeltaNet's
+    # Mamba-2's output is gated by silu(z), so the memorisation property's brief training takes Gated
+    # DeltaNet's 600 steps (same reason: the gate's sign is random per query until W_in learns it)
+    "mamba2": {"train_steps": 600},
+    # log-linear Mamba-2: Mamba-2's silu(z) gate; measured at its test options: recall 0.24 after 200 steps,
+    # 0.88 after 600 (Mamba-2's gate, as above)
+    "loglinear_mamba2": {"train_steps": 600},
+    # GLA: its swish output gate as above, and raw (not L2-normalised) q and k: 1200 steps
+    # (docs/journal/toys.md, 2026-12-06)
+    "gla": {"train_steps": 1200},
+    # GSA: the forget gate both picks a pair's slot and lets it in, and W_α has to learn that from the keys:
+    # 600 steps (measured at its test options: recall 0.19 after 200 steps, 0.35 after 400, 0.45 after 600,
+    # 0.57 after 1200; 16 slots learn slower, 0.15 after 200)
+    "gsa": {"train_steps": 600},
+    # MesaNet: not iterative: the closed-form regression; writing the pairs again only halves the
+    # regulariser's weight, it corrects no error. 600 steps: its forget strength γ = sigmoid(W_γ x + b_γ)
+    # starts at 1/2 (fla's zero bias), and the regulariser λ = 1 outweighs a few β-weighted writes; measured
+    # at its test options: recall 0.13 after 200 steps (chance), 1.00 after 600
+    "mesanet": {"train_steps": 600},
+    # the test-time-training memories: gradient steps on a regression loss, so a second write corrects what
+    # the first left
+    "ttt_linear": {"iterative": True},
+    # the suite's brief training lifts the N(0, 0.02)-initialised MLP out of its flat start slowly: 600 steps
     # (measured: docs/adding-a-layer.md, "What went wrong the first time")
-    "ttt_mlp": {"options": dict(num_heads=2, head_dim=16, mini_batch_size=4, expansion=2, base_lr=1.0),
-                "iterative": True, "train_steps": 600},
-    "titans": {"options": dict(num_heads=2, head_dim=16, chunk_size=4, expansion=2), "iterative": True},
-    "pkm": {
-        # 64 slots; rmsnorm queries, so forward is per token and streams
-        "options": dict(key_dim=16, value_dim=16, heads=2, topk=4, n_subkeys=8, query_norm="rmsnorm"),
-    },
+    "ttt_mlp": {"iterative": True, "train_steps": 600},
+    "titans": {"iterative": True},
 }
 
 
 def layer_test(name: str) -> dict:
-    """The test entry of a registered layer: LAYER_TESTS, then the MEMZOO_TESTS of the module that
-    defines it, over the defaults (no options, not iterative, no targets, no exemptions)."""
+    """The test entry of a registered layer: its `test` options of zoo_configs/sizes.yaml and its
+    LAYER_TESTS, then the MEMZOO_TESTS of the module that defines it, over the defaults (no options, not
+    iterative, no targets, no exemptions)."""
     cls = get_layer(name)
     hook = getattr(sys.modules.get(cls.__module__), "MEMZOO_TESTS", {})
     entry = {"options": {}, "iterative": False, "targets": None, "grad_exempt": (), "train_steps": 200}
+    entry["options"] = layer_sizes("test").get(cls.name, {})
     entry.update(LAYER_TESTS.get(cls.name, {}))
     entry.update(hook.get(cls.name, {}))
     return {**entry, "options": dict(entry["options"])}

@@ -116,7 +116,7 @@ def _preset(tmp_path, **changes) -> str:
     data = yaml.safe_load((CONFIGS / "bench" / "_base.yaml").read_text())  # the full sections
     for key, value in changes.items():
         section, _, name = key.partition("__")
-        data[section][name] = value
+        data.setdefault(section, {})[name] = value
     path = tmp_path / "preset.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

@@ -517,7 +517,7 @@ def test_interval_marks_against_the_baseline():
 
 
 def test_evaluation_leaves_persistent_memories_as_they_were(tmp_path):
-    s = toys.Settings(**{k: v for k, v in MICRO.items() if k != "tasks"}, layer_options={"fwpkm": {"chunk_size": 8}})
+    s = toys.Settings(**{k: v for k, v in MICRO.items() if k != "tasks"}, layer_options={"fwpkm": {"per_sequence": False}})
     task = toys.MQAR(s)
     mc = toys.toy_config(load_preset("tiny"), "fwpkm", 16, task.vocab, s)
     torch.manual_seed(0)

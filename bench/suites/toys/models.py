@@ -12,9 +12,9 @@ from .settings import Settings
 
 def toy_config(preset, layer: str, width: int, vocab_size: int, s: Settings) -> ModelConfig:
     """The preset's backbone (with `s.model` over it) scaled to `width` and `s.n_layers` blocks,
-    with `layer` at `s.at` and the preset's options for it, `s.layer_options[layer]` merged over
-    them (the preset's placement, e.g. "1,3", is for its deeper backbone, so `s.at` replaces it).
-    The controls replace the mixers: attention with a short convolution, or none."""
+    with `layer` at `s.at` (the toys' placement rule: `Settings.at`) and the preset's options for it,
+    `s.layer_options[layer]` merged over them. The controls replace the mixers: attention with a short
+    convolution, or none."""
     b = {**preset.backbone, **s.model}
     ref = ModelConfig.from_dict(b)
     scale = width / ref.d_model

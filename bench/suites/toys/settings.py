@@ -26,19 +26,23 @@ SEGMENTED = ("fwl",)
 
 
 def _toy_layer_options() -> dict:
-    """Update chunks of 8 tokens (four pairs) for every chunk-level read-then-write layer: each
-    registered layer whose constructor takes a `chunk_size`, that does not read its own token's
-    write (not `inclusive`) and is not in SEGMENTED; FwPKM and FwMLP with a memory per sequence;
-    LaCT with fast-weight heads of 32 at the default width 64 (2 heads; why: zoo_configs/bench/tiny.yaml)."""
+    """The options the toys give the layers over the preset's, one rule for every layer: update chunks
+    of 8 tokens (four pairs) for every chunk-level read-then-write layer (a registered layer whose
+    constructor takes a `chunk_size`, that does not read its own token's write, not `inclusive`, and is
+    not in SEGMENTED), and FwPKM and FwMLP with a memory per sequence (in-context recall; the paper trains
+    them shared by the batch); then each layer's `toys` column of zoo_configs/sizes.yaml over that (what
+    the toys change for that layer alone)."""
+    from memzoo.config import layer_sizes
     from memzoo.registry import get_layer, layer_names
 
     out = {n: {"chunk_size": 8} for n in layer_names() if n not in SEGMENTED
            and "chunk_size" in inspect.signature(get_layer(n)).parameters and not get_layer(n).inclusive}
-    for n in ("fwpkm", "fwmlp"):  # shared by the batch as the paper trains them; a memory per sequence here
+    for n in ("fwpkm", "fwmlp"):
         if n in out:
             out[n]["per_sequence"] = True
-    if "lact" in out:
-        out["lact"]["num_heads"] = 2
+    for n, options in layer_sizes("toys").items():
+        if options:
+            out[n] = {**out.get(n, {}), **options}
     return out
 
 
@@ -47,10 +51,13 @@ class Settings:
     tasks: list = field(default_factory=lambda: ["mqar"])
     widths: list = field(default_factory=lambda: [64])  # d_model of each model; >= 2 for a state curve
     n_layers: int = 2
-    at: str = "last"  # where the memory layer goes ("last" = block 1 of 2)
+    # where the memory goes in every toy model ("last" = block 1 of 2): the toys' own rule, never the preset's
+    # placement (`at` of zoo_configs/sizes.yaml places it in the preset's deeper backbone); a variant's `at` over it
+    at: str = "last"
     # backbone fields over the preset's (gdn_head_dim: fixed); by default local mixers (route: memory)
     model: dict = field(default_factory=lambda: {"gdn_chunk": 16, "layout": "SWA", "window": 4})
-    layer_options: dict = field(default_factory=_toy_layer_options)  # per layer, merged over the preset's
+    # per layer, options over the preset's: a preset's merged key by key over `_toy_layer_options()`'s
+    layer_options: dict = field(default_factory=dict)
     variants: dict = field(default_factory=dict)  # extra rows: {name: {layer: L, options: {...}, at: A, widths: [...]}}
     seeds: int = 1
     lrs: list = field(default_factory=lambda: [3e-3])  # candidates, chosen on validation (ties: the first)
@@ -108,6 +115,10 @@ class Settings:
     ar_pairs: list = field(default_factory=lambda: [4, 8, 12])
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layer_options, dict) or not all(isinstance(v, dict) for v in self.layer_options.values()):
+            raise ConfigError(f"toys.layer_options must be a mapping {{layer: {{option: value}}}}, got {self.layer_options!r}")
+        rule = _toy_layer_options()
+        self.layer_options = {n: {**rule.get(n, {}), **self.layer_options.get(n, {})} for n in {**rule, **self.layer_options}}
         self.variants = {**self.variants, **self._sized()}
 
     def _sized(self) -> dict:
