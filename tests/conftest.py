@@ -87,20 +87,18 @@ LAYER_TESTS: dict[str, dict] = {
     # Mamba-2's output is gated by silu(z), so the memorisation property's brief training takes Gated
     # DeltaNet's 600 steps (same reason: the gate's sign is random per query until W_in learns it)
     "mamba2": {"train_steps": 600},
-    # log-linear Mamba-2: Mamba-2's silu(z) gate; measured at its test options: recall 0.24 after 200 steps,
-    # 0.88 after 600 (Mamba-2's gate, as above)
+    # log-linear Mamba-2: Mamba-2's silu(z) gate, as above (measured: docs/journal/toys.md, 2026-12-07)
     "loglinear_mamba2": {"train_steps": 600},
     # GLA: its swish output gate as above, and raw (not L2-normalised) q and k: 1200 steps
     # (docs/journal/toys.md, 2026-12-06)
     "gla": {"train_steps": 1200},
     # GSA: the forget gate both picks a pair's slot and lets it in, and W_α has to learn that from the keys:
-    # 600 steps (measured at its test options: recall 0.19 after 200 steps, 0.35 after 400, 0.45 after 600,
-    # 0.57 after 1200; 16 slots learn slower, 0.15 after 200)
+    # 600 steps (measured: docs/journal/toys.md, 2026-12-07)
     "gsa": {"train_steps": 600},
     # MesaNet: not iterative: the closed-form regression; writing the pairs again only halves the
     # regulariser's weight, it corrects no error. 600 steps: its forget strength γ = sigmoid(W_γ x + b_γ)
-    # starts at 1/2 (fla's zero bias), and the regulariser λ = 1 outweighs a few β-weighted writes; measured
-    # at its test options: recall 0.13 after 200 steps (chance), 1.00 after 600
+    # starts at 1/2 (fla's zero bias), and the regulariser λ = 1 outweighs a few β-weighted writes (measured:
+    # docs/journal/toys.md, 2026-12-07)
     "mesanet": {"train_steps": 600},
     # the test-time-training memories: gradient steps on a regression loss, so a second write corrects what
     # the first left
