@@ -19,7 +19,9 @@ non-linearities), W1, W2 of every sequence start from learned slow weights. θ_t
 the paper gives no init: η starts near 0.9, α near 0.02, θ at max_lr / 2d). The 1/d is lucidrains'
 (its loss averages the squared error over the d features, Eq. 12 sums them): with the sum and no 1/d the
 inner loop diverged on the first batch of the recall preset at every outer lr (the momentum multiplies
-a step by up to 1/(1 − η) = 10, against a curvature of 2‖silu(k W1)‖², ~1 at init).
+a step by up to 1/(1 − η) = 10, against a curvature of 2‖silu(k W1)‖², ~1 at init). The ceiling max_lr / d
+grows as heads shrink: with small heads the inner loop can leave its stable range and the memory overflow
+within a sequence (docs/journal/toys.md, 2026-12-07 later: head_dim 4).
 
 The parallel form the paper trains with (Sec. 3.2, Eq. 16-18): the sequence is cut into chunks of b
 tokens and every gradient of a chunk is taken at the weights M_{t'} the chunk started from; the
