@@ -5,11 +5,11 @@ tests/test_imports.py). What a :class:`Suite` holds: :mod:`memzoo.bench.suites`.
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Callable
 
 from memzoo.bench.schema import SUITE_NAMES as NAMES
+from memzoo.registration import did_you_mean
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,7 @@ def get_suite(name: str) -> Suite:
     """The registered suite `name` (the built-in ones register when memzoo.bench.suites is imported);
     an unknown name is one error naming the valid ones."""
     if name not in SUITES:
-        near = difflib.get_close_matches(name, NAMES, n=1)
-        raise ValueError(f"unknown suite {name!r}{f' (did you mean {near[0]!r}?)' if near else ''}; "
+        raise ValueError(f"unknown suite {name!r}{did_you_mean(name, NAMES)}; "
                          f"valid suites: {', '.join(NAMES)}")
     return SUITES[name]
 

@@ -37,6 +37,10 @@ Design (pure functions; `Attachment` is the thin module that holds one memory in
 - Save: `config.memzoo_attach` records [{layer, at, options}] and the memories' weights sit under
   `<decoder layer>.memzoo.<i>.` in the state dict, so `save_pretrained` writes both; `from_pretrained`
   loads the base with transformers, attaches as recorded and loads those tensors.
+- Training: `memzoo train CONFIG --from PATH --attach LAYER[@AT][:OPTIONS]` runs memzoo's one loop
+  (memzoo.train) on `TrainingView`, the attached model seen as a HybridLM (the loss on the stream's targets,
+  the shared memories' state kept across evaluations); the base is frozen unless `--train-base`; each
+  checkpoint also writes `save_pretrained` to the run's hf/ (`save_trained`).
 
 Not supported: beam search (the cache's reordering does not reorder the memories' states) and
 gradient checkpointing of the decoder layers (a recomputed layer would write its memory twice).
@@ -508,6 +512,124 @@ def from_pretrained(path: str, **kwargs):
         for k, v in found.items():
             own[k].copy_(v)
     return model
+
+
+# ---- memzoo's training loop on an attached model (`memzoo train CONFIG --from PATH --attach SPEC`) -----
+#: the directory of a run's out dir where `memzoo train --from` writes the model, loadable by `from_pretrained`
+SAVED = "hf"
+
+
+def parse_spec(spec: str) -> tuple[str, str | None, dict]:
+    """`LAYER[@AT][:OPTIONS]` -> (layer, at, options) for :func:`attach`: AT as `attach` takes it ("all",
+    "last", "1", "0,2"; absent: the layer's default place), OPTIONS a column of zoo_configs/sizes.yaml
+    (cpu, test, toys: the layer's row there) or comma-separated key=value, each value read as YAML
+    ("fwpkm@1:cpu", "gated_deltanet@all:num_heads=2,head_dim=16")."""
+    import yaml
+
+    from memzoo.config import sized_options
+
+    head, _, opts = spec.partition(":")
+    layer, _, at = head.partition("@")
+    if not layer.strip():
+        raise ValueError(f"--attach {spec!r}: expected LAYER[@AT][:OPTIONS], e.g. fwpkm@1:cpu")
+    layer = get_layer(layer.strip()).name  # an unknown name: the registry's did-you-mean
+    opts = opts.strip()
+    if not opts:
+        options = {}
+    elif "=" not in opts:
+        options = sized_options(layer, opts, f"--attach {spec!r}")
+    else:
+        options = {}
+        for item in opts.split(","):
+            k, eq, v = item.partition("=")
+            if not eq or not k.strip():
+                raise ValueError(f"--attach {spec!r}: options are key=value pairs separated by commas, got {item!r}")
+            options[k.strip()] = yaml.safe_load(v)
+    return layer, (at.strip() or None), options
+
+
+class TrainingView(nn.Module):
+    """An attached causal LM as memzoo's training loop sees a HybridLM (memzoo.train): ``forward(x,
+    targets)`` returns ``.loss`` (next-token cross-entropy on `targets`, the stream's shifted tokens, plus the
+    memories' auxiliary losses) and ``.logits``; ``memory_state`` / ``load_memory_state`` keep the shared
+    persistent memories' fast weights across an evaluation. `train_base`: the pretrained weights train
+    too; else only the memories and their gates (the base frozen, as an adapter's)."""
+
+    def __init__(self, lm: nn.Module, train_base: bool = False):
+        super().__init__()
+        self.lm = lm
+        if not train_base:
+            own = {id(p) for a in attachments(lm) for p in a.parameters()}
+            for p in lm.parameters():
+                p.requires_grad_(id(p) in own)
+
+    def forward(self, x: Tensor, targets: Tensor | None = None):
+        from memzoo.backbone.model import MemzooOutput
+
+        mems = memories(self.lm)
+        # labels only open the memories' targets (FWL's); the loss is taken here, on the stream's targets
+        out = self.lm(input_ids=x, labels=x if any(m.needs_targets for m in mems) else None, use_cache=False)
+        parts = [m.aux_loss for m in mems if m.aux_loss is not None]
+        aux = torch.stack(parts).sum() if parts else None
+        loss = None
+        if targets is not None:
+            loss = nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+            loss = loss if aux is None else loss + aux
+        return MemzooOutput(loss=loss, logits=out.logits, aux_loss=aux)
+
+    def memory_state(self, persistent_only: bool = False) -> list[dict | None]:
+        return [None if persistent_only and m.per_sequence else {k: v.clone() for k, v in m.state.items()}
+                for m in memories(self.lm)]
+
+    def load_memory_state(self, states: list[dict | None]) -> None:
+        for m, st in zip(memories(self.lm), states, strict=True):
+            m.load_state(st) if st is not None else m.reset()
+
+
+def for_training(path: str, specs: list[str], train_base: bool = False) -> TrainingView:
+    """The causal LM at `path` (a local directory or a Hub name; `from_pretrained` in fp32), with a memory
+    attached per spec (:func:`parse_spec`), as the training loop takes it."""
+    from transformers import AutoModelForCausalLM
+
+    if not specs:
+        raise ValueError("--from needs at least one --attach LAYER[@AT][:OPTIONS]: the memory to train")
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for spec in specs:
+        layer, at, options = parse_spec(spec)
+        attach(lm, layer, at=at, **options)
+    return TrainingView(lm, train_base)
+
+
+def save_trained(view: TrainingView, path: str, out) -> None:
+    """Write the attached model to `out` / SAVED with `save_pretrained` (and the base's tokenizer, where
+    `path` has one), so that :func:`from_pretrained` reloads it. Atomic as the run's other files: written
+    beside, then renamed over the old copy."""
+    import shutil
+    from pathlib import Path
+
+    out = Path(out)
+    new, old, dst = out / f".{SAVED}.new", out / f".{SAVED}.old", out / SAVED
+    for d in (new, old):
+        shutil.rmtree(d, ignore_errors=True)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the training's own bar is on screen
+    try:
+        view.lm.save_pretrained(new)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(path).save_pretrained(new)
+    except (OSError, ValueError, TypeError):  # the base has no tokenizer: the run used the config's
+        pass
+    if dst.exists():
+        dst.rename(old)
+    new.rename(dst)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class _CallableModule(types.ModuleType):

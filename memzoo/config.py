@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import functools
 import math
 import re
@@ -38,14 +37,11 @@ from pathlib import Path
 
 import yaml
 
+from memzoo.registration import did_you_mean
+
 
 class ConfigError(ValueError):
     pass
-
-
-def _did_you_mean(name: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(str(name), valid, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def parse_strict(cls, d: dict | None, where: str):
@@ -57,7 +53,7 @@ def parse_strict(cls, d: dict | None, where: str):
     names = [f.name for f in dataclasses.fields(cls)]
     for k in d:
         if k not in names:
-            raise ConfigError(f"{where}: unknown key {k!r}{_did_you_mean(k, names)}; valid keys: {', '.join(names)}")
+            raise ConfigError(f"{where}: unknown key {k!r}{did_you_mean(k, names)}; valid keys: {', '.join(names)}")
     return cls(**d)
 
 
@@ -127,7 +123,7 @@ def check_layer_options(name: str, options, d_model: int, where: str) -> str:
     try:
         cls = get_layer(str(name))
     except ValueError:
-        raise ConfigError(f"{where}: unknown memory layer {name!r}{_did_you_mean(name, layer_names())}; "
+        raise ConfigError(f"{where}: unknown memory layer {name!r}{did_you_mean(name, layer_names())}; "
                           f"registered layers: {', '.join(layer_names())}") from None
     if not isinstance(options, dict):
         raise ConfigError(f"{where} must be a mapping of layer options, got {options!r} ({type(options).__name__})")
@@ -165,7 +161,7 @@ def layer_sizes(column: str) -> dict:
     return {name: copy.deepcopy(row.get(column, None if column == "at" else {})) for name, row in _sizes_table().items()}
 
 
-def _sized_options(name: str, column: str, where: str):
+def sized_options(name: str, column: str, where: str):
     """A memory layer's options given as a column of the sizes table: its row's (the name as given
     where it names no registered layer, for `check_layer_options` to report)."""
     from memzoo.registry import get_layer
@@ -228,7 +224,7 @@ class ModelConfig:
         memory = {}
         for name, opts in self.memory.items():
             if isinstance(opts, str):  # a column of zoo_configs/sizes.yaml: the layer's row there
-                opts = _sized_options(name, opts, f"{where}.memory.{name}")
+                opts = sized_options(name, opts, f"{where}.memory.{name}")
             key = check_layer_options(name, opts, self.d_model, f"{where}.memory.{name}")
             if key in memory:  # e.g. `fwpkm` in a base and `FwPKM` in the file: say so, do not drop one
                 raise ConfigError(f"{where}.memory names layer {key!r} twice (as {name!r} too)")
@@ -300,7 +296,7 @@ class TrainConfig:
         if self.corpus not in corpus_names() and not (self.corpus.startswith("hf:") and len(self.corpus) > 3):
             raise ConfigError(f"{where}.corpus must be one of {', '.join(corpus_names())}, or hf:PATH[:NAME] (a "
                               f"dataset streamed by `datasets`), got {self.corpus!r}"
-                              f"{_did_you_mean(self.corpus, corpus_names())}")
+                              f"{did_you_mean(self.corpus, corpus_names())}")
         tok = self.tokenizer  # a Hub id (org/name) or a local directory is loaded by transformers
         if tok not in ("byte", "mistral") and not re.fullmatch(r"([\w-]+/)?[\w.-]+", tok) and not Path(tok).is_dir():
             raise ConfigError(f"{where}.tokenizer must be 'byte', 'mistral', a Hugging Face model id or a local "
@@ -370,7 +366,7 @@ def read_yaml(path: Path, sections: tuple[str, ...]) -> dict:
                           f"got {type(data).__name__}")
     bad = [k for k in data if k not in sections]
     if bad:
-        raise ConfigError(f"{path}: unknown section {bad[0]!r}{_did_you_mean(bad[0], list(sections))}; "
+        raise ConfigError(f"{path}: unknown section {bad[0]!r}{did_you_mean(bad[0], list(sections))}; "
                           f"valid sections: {', '.join(sections)}")
     return data
 
@@ -448,5 +444,14 @@ def add_train_arguments(p) -> None:
     p.add_argument("--precision", choices=("auto", "fp32", "bf16"),
                    help="override train.precision (auto: bf16 autocast on CUDA, fp32 on CPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model's forward (train.compile)")
+    p.add_argument("--from", dest="from_", metavar="PATH",
+                   help="train memories attached to this Hugging Face causal LM (a local directory or a Hub name) "
+                        "instead of the config's model; the config's train section still applies")
+    p.add_argument("--attach", action="append", metavar="LAYER[@AT][:OPTIONS]",
+                   help="with --from: a memory to attach (repeatable), e.g. fwpkm@1:cpu or gated_deltanet@all:num_heads=2; "
+                        "AT: all, last, an index or 0,2 (default: the layer's place); OPTIONS: a column of "
+                        "zoo_configs/sizes.yaml or key=value,...")
+    p.add_argument("--train-base", action="store_true",
+                   help="with --from: train the pretrained weights too (default: only the memories and their gates)")
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                    help="under torchrun: DDP (a model per process) or FSDP2 (parameters sharded); see memzoo.distributed")

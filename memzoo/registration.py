@@ -1,9 +1,11 @@
-"""The table of registered layers and the decorator that fills it; nothing else. A leaf that imports
+"""The table of registered layers and the decorator that fills it, and every registry's did-you-mean. A leaf that imports
 no layer, so that the layer modules register into it while `memzoo.registry`, which looks layers up,
 imports them (the lookups load the built-in layers and the plugins first): the import graph has no
 cycle (tests/test_imports.py)."""
 
 from __future__ import annotations
+
+import difflib
 
 #: name (lower case) -> MemoryLayer subclass
 LAYERS: dict[str, type] = {}
@@ -28,3 +30,10 @@ def register_layer(name: str):
         return cls
 
     return deco
+
+
+def did_you_mean(name: str, valid) -> str:
+    """' (did you mean 'x'?)' for the closest of `valid` to `name`, or '': the hint of every registry's
+    unknown-name error (layers, suites, config keys)."""
+    close = difflib.get_close_matches(str(name), list(valid), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

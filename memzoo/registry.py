@@ -27,6 +27,7 @@ import importlib
 import os
 from pathlib import Path
 
+from memzoo.registration import did_you_mean
 from memzoo.registration import LAYERS as _LAYERS
 from memzoo.registration import register_layer  # noqa: F401  (`memzoo.register_layer`, as plugins call it)
 
@@ -87,7 +88,7 @@ def get_layer(name: str) -> type:
         return _LAYERS[name.lower()]
     except KeyError:
         raise ValueError(
-            f"unknown memory layer {name!r}; registered layers: {', '.join(layer_names())}. "
+            f"unknown memory layer {name!r}{did_you_mean(name.lower(), layer_names())}; registered layers: {', '.join(layer_names())}. "
             "Register your own with @memzoo.register_layer('name')."
         ) from None
 

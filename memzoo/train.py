@@ -29,12 +29,14 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from memzoo.attach import SAVED
 from memzoo.backbone.model import HybridLM, MemzooConfig
 from memzoo.cpu import _bf16_gemms_in_fp32_pass, cpu_bf16_gemm_is_slow, tune_cpu
 from memzoo.config import ConfigError, RunConfig, TrainConfig
@@ -317,16 +319,17 @@ def _out_dir(tc: TrainConfig, world: World, resume: bool, overwrite: bool) -> tu
     if overwrite and world.main:
         for n in RUN_FILES:
             (out / n).unlink(missing_ok=True)
+        shutil.rmtree(out / SAVED, ignore_errors=True)
     return out, device
 
 
-def _checkpoint(ckpt_path: "Path", rc: RunConfig) -> dict:
+def _checkpoint(ckpt_path: "Path", config: dict) -> dict:
     """The checkpoint a resumed run continues from, refused if another config wrote it (where the
     run is written and what it runs on may change: a moved dir, CPU -> GPU)."""
     if not ckpt_path.exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; train without --resume first")
     ck = load_tensors(ckpt_path)  # on the CPU: torch's RNG state must stay a CPU tensor
-    changes = [c for c in config_changes(ck["config"], rc.to_dict())
+    changes = [c for c in config_changes(ck["config"], config)
                if not c.startswith(("train.out_dir ", "train.device ", "train.threads "))]
     if changes:
         raise ConfigError(f"--resume: the checkpoint in {ckpt_path.parent} was written by a different config: "
@@ -336,7 +339,7 @@ def _checkpoint(ckpt_path: "Path", rc: RunConfig) -> dict:
 
 def train(
     rc: RunConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True, data=None,
-    overwrite: bool = False, on_step=None, parallel: str = "ddp",
+    overwrite: bool = False, on_step=None, parallel: str = "ddp", base: dict | None = None,
 ) -> dict:
     """Train per `rc`; `stop_after` ends the run after that many steps *without* a final
     checkpoint, exactly like a kill (used by the resume test). `data` replaces the corpus
@@ -346,21 +349,37 @@ def train(
     (step, loss, lr; val_loss where evaluated): the bench counts its progress with it.
     An out dir that holds another run is an error unless `resume` (continue it) or
     `overwrite` (delete its files first). Under torchrun, `parallel` ("ddp" or "fsdp") says how
-    the processes share the model (:mod:`memzoo.distributed`)."""
+    the processes share the model (:mod:`memzoo.distributed`).
+
+    `base`: train memories attached to a Hugging Face causal LM instead of a HybridLM, as
+    ``{"from": PATH, "attach": [SPEC, ...], "train_base": bool}`` (:func:`memzoo.attach.for_training`; the
+    config's `model` section is not used, its `train` section is). Each checkpoint also writes the model
+    to ``out/hf`` (`save_pretrained`), which ``memzoo.attach.from_pretrained`` reloads."""
     tc = rc.train
     world = World.from_env()
     tc.device = resolve_device(tc.device)  # "auto" becomes a device here
     tc.validate()  # also after command-line overrides
     out, device = _out_dir(tc, world, resume, overwrite)
     ckpt_path = out / CKPT
-    ck = _checkpoint(ckpt_path, rc) if resume else None
+    config = rc.to_dict()
+    if base is not None:  # the memories' host is the pretrained model, not the config's backbone
+        config.pop("model")
+        config["base"] = base
+    ck = _checkpoint(ckpt_path, config) if resume else None
     if tc.threads:
         torch.set_num_threads(tc.threads)
     tune_cpu()
     torch.manual_seed(tc.seed)
     stream, val_batches, unigram_h = prepare_data(rc) if data is None else data
 
-    model = HybridLM(MemzooConfig.from_model_config(rc.model)).to(device)
+    if base is None:
+        model = HybridLM(MemzooConfig.from_model_config(rc.model)).to(device)
+        what = rc.model.layout
+    else:
+        from memzoo.attach import for_training
+
+        model = for_training(base["from"], base["attach"], base.get("train_base", False)).to(device)
+        what = f"{base['from']} + {', '.join(base['attach'])}"
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     net = world.wrap(model, parallel, device)  # the module a step runs (DDP, or model sharded in place)
@@ -372,7 +391,7 @@ def train(
         torch.set_rng_state(ck["rng"])
         step, history, saved = ck["step"], ck["history"], ck["step"]
     if world.main:
-        write_text(out / "config.json", json.dumps(rc.to_dict(), indent=1))
+        write_text(out / "config.json", json.dumps(config, indent=1))
 
     def write_metrics():
         if world.main:
@@ -392,12 +411,16 @@ def train(
         model_state, opt_state = full_state(model, opt)  # every rank takes part; rank 0 writes
         if world.main:
             torch_save({"model": model_state, "opt": opt_state, "rng": torch.get_rng_state(), "step": step,
-                        "history": history, "config": rc.to_dict()}, ckpt_path)
+                        "history": history, "config": config}, ckpt_path)
+            if base is not None:
+                from memzoo.attach import save_trained
+
+                save_trained(model, base["from"], out)
         write_metrics()
         world.barrier()
 
     bar = tqdm(total=tc.steps, initial=step, disable=not (progress and world.main),
-               desc=f"train {rc.model.layout} ({n_params / 1e6:.2f}M)")
+               desc=f"train {what} ({n_params / 1e6:.2f}M)")
     val_loss = history[-1]["val_loss"] if history and "val_loss" in history[-1] else float("nan")
     t0, start = time.time(), step
     rec: dict = {}
@@ -459,6 +482,23 @@ def train(
 # ---- the command line: `memzoo train` (memzoo.cli) and `torchrun ... -m memzoo.train` -------------
 
 
+def _base_of(args, rc: RunConfig) -> dict | None:
+    """`--from PATH --attach SPEC...`: the pretrained host of the memories (`train`'s `base`). Its text is
+    tokenized by its own tokenizer where PATH holds one (else the config's, which must fit its vocabulary)."""
+    if not args.from_:
+        if args.attach or args.train_base:
+            raise ConfigError("--attach and --train-base train memories in a pretrained model: give it with --from PATH")
+        return None
+    from transformers import AutoConfig
+
+    path = Path(args.from_)
+    if path.is_dir() and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        rc.train.tokenizer = str(path)
+    cfg = AutoConfig.from_pretrained(args.from_)
+    rc.model.vocab_size = getattr(cfg.get_text_config(), "vocab_size", rc.model.vocab_size)  # prepare_data checks it
+    return {"from": args.from_, "attach": list(args.attach or []), "train_base": bool(args.train_base)}
+
+
 def cmd_train(args) -> int:
     import os
 
@@ -470,7 +510,8 @@ def cmd_train(args) -> int:
     for k, v in overrides:
         if v is not None:
             setattr(rc.train, k, v)
-    result = train(rc, resume=args.resume, overwrite=args.overwrite, parallel=args.parallel)
+    base = _base_of(args, rc)
+    result = train(rc, resume=args.resume, overwrite=args.overwrite, parallel=args.parallel, base=base)
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports
         return 0
     print(

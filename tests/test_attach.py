@@ -269,3 +269,89 @@ def test_padded_training_rows_and_aux_loss(layer):
     if aux:
         plain = torch.nn.functional.cross_entropy(alone.logits[0, :-1], a[0, 1:])
         torch.testing.assert_close(alone.loss, plain + sum(aux))
+
+
+# ---- memzoo train --from PATH --attach SPEC: the training loop on an attached model -------------------
+def _tiny_llama_dir(tmp_path):
+    """A random-init Llama of the byte tokenizer's vocabulary, saved where `--from` reads it."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=257, max_position_embeddings=64)
+                        ).save_pretrained(tmp_path / "llama")
+    return str(tmp_path / "llama")
+
+
+def _train_args(base: str, out, *extra: str) -> list[str]:
+    """`memzoo train` on the tiny configs' recipe, shrunk to a few steps of short windows."""
+    return ["train", "tiny/gdn", "--from", base, "--out", str(out), "--steps", "4", *extra]
+
+
+def _shrink(monkeypatch):
+    from memzoo import config as cfg
+
+    load = cfg.load_config
+
+    def small(name):
+        rc = load(name)
+        rc.train.seq_len, rc.train.batch_size, rc.train.eval_batches, rc.train.warmup = 32, 4, 2, 2
+        rc.train.eval_every = rc.train.ckpt_every = 2
+        return rc
+
+    monkeypatch.setattr(cfg, "load_config", small)
+
+
+def test_train_from_a_pretrained_model_writes_what_from_pretrained_reloads(tmp_path, monkeypatch):
+    """`memzoo train --from DIR --attach ...` trains the memories (and their gates) of a local tiny Llama,
+    the base frozen, and writes out/hf, which `memzoo.attach.from_pretrained` reloads with the trained
+    weights; a run killed after step 3 and resumed ends where the uninterrupted one does; a changed
+    --attach does not resume."""
+    from memzoo import config
+    from memzoo.cli import main
+    from memzoo.storage import load_tensors
+    from memzoo.train import train
+
+    _shrink(monkeypatch)
+    base, out = _tiny_llama_dir(tmp_path), tmp_path / "run"
+    spec = ["--attach", "gated_deltanet@1:num_heads=2,head_dim=16", "--attach", "fwpkm@last:test"]
+    assert main(_train_args(base, out, *spec)) == 0
+    model = from_pretrained(str(out / "hf")).eval()
+    assert [(s["layer"], s["at"]) for s in model.config.memzoo_attach] == [("gated_deltanet", [1]), ("fwpkm", [1])]
+    trained = {k[len("lm."):]: v for k, v in load_tensors(out / "ckpt.pt")["model"].items()}
+    got = model.state_dict()
+    for k, v in trained.items():
+        assert torch.equal(got[k], v), k
+    assert any(".memzoo." in k and k.endswith("gate") and v.abs().sum() > 0 for k, v in trained.items())
+    import transformers as tf
+
+    for k, v in tf.AutoModelForCausalLM.from_pretrained(base).state_dict().items():  # the base was frozen
+        assert torch.equal(got[k], v), k
+
+    rc = config.load_config("tiny/gdn")  # as the command line's (shrunk)
+    rc.train.steps, rc.train.out_dir = 4, str(tmp_path / "killed")
+    killed = train(rc, stop_after=3, progress=False, base={"from": base, "attach": spec[1::2], "train_base": False})
+    assert killed["killed"]
+    assert main(_train_args(base, tmp_path / "killed", *spec, "--resume")) == 0
+    again = load_tensors(tmp_path / "killed" / "ckpt.pt")["model"]
+    for k, v in trained.items():
+        assert torch.equal(again["lm." + k], v), k  # bit-exact
+    assert main(_train_args(base, out, *spec[:2], "--resume")) == 2  # another --attach: a different config
+
+
+def test_train_attach_arguments_are_checked(tmp_path, capsys):
+    from memzoo.attach import parse_spec
+    from memzoo.cli import main
+
+    assert parse_spec("fwpkm") == ("fwpkm", None, {})
+    assert parse_spec("gated_deltanet@0,1:num_heads=2,expand_v=0.5") == ("gated_deltanet", "0,1",
+                                                                          {"num_heads": 2, "expand_v": 0.5})
+    assert parse_spec("linear@last:test") == ("linear", "last", layer_options("linear"))
+    with pytest.raises(ValueError, match="did you mean"):
+        parse_spec("fwpkn@1")
+    with pytest.raises(ValueError, match="key=value"):
+        parse_spec("fwpkm@1:key_dim=8,topk")
+    assert main(["train", "tiny/gdn", "--attach", "fwpkm@1", "--out", str(tmp_path / "x")]) == 2
+    assert "--from" in capsys.readouterr().err
+    assert main(_train_args(_tiny_llama_dir(tmp_path), tmp_path / "y")) == 2
+    assert "--attach" in capsys.readouterr().err

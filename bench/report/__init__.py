@@ -18,7 +18,6 @@ README lists the runs behind the tables.
 
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from memzoo.bench.report.common import (  # noqa: F401  (the tables' helpers, im
 )
 from memzoo.bench.schema import SUITE_NAMES as NAMES
 from memzoo.bench.schema import layer_order, lead  # noqa: F401  (layer_order: callers import it from here)
+from memzoo.registration import did_you_mean
 from memzoo.storage import write_text
 
 #: each suite's report half, by the suite's name
@@ -40,8 +40,7 @@ MODULES: dict[str, ModuleType] = {"cost": cost, "pairs": pairs, "toys": toys, "p
 def module(name: str) -> ModuleType:
     """The report half of suite `name`."""
     if name not in MODULES:
-        near = difflib.get_close_matches(name, NAMES, n=1)
-        raise ValueError(f"unknown suite {name!r}{f' (did you mean {near[0]!r}?)' if near else ''}; "
+        raise ValueError(f"unknown suite {name!r}{did_you_mean(name, NAMES)}; "
                          f"valid suites: {', '.join(NAMES)}")
     return MODULES[name]
 
