@@ -223,9 +223,12 @@ def test_streaming_token_by_token_matches_chunked():
 # ----------------------------------------------------------------------------- dispatch
 
 
-def test_fla_backend_on_cpu_raises_clear_error():
+def test_fla_backend_on_cpu_raises_clear_error(monkeypatch):
+    """Outside Triton's interpreter a CPU tensor cannot run fla's kernel: backend="fla" says so (under it,
+    tests/test_fla_paths.py runs the kernel)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, v, g, beta, _ = make_inputs(1, 8, 2, 8, 8)
-    with pytest.raises(RuntimeError, match="CUDA"):
+    with pytest.raises(RuntimeError, match="CPU tensor"):
         gated_delta_rule(q, k, v, g, beta, backend="fla")
 
 
@@ -298,15 +301,16 @@ def test_auto_leaves_fla_where_it_refuses_the_gated_backward(monkeypatch, capabi
     # must take the torch path there (torch 2.11 ships Triton 3.6), and fla's kernel elsewhere
     import triton
 
+    from memzoo.ops import dispatch
     from memzoo.ops import gated_delta_rule as gdr
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: capability)
     monkeypatch.setattr(triton, "__version__", triton_version)
-    gdr.fla_unusable.cache_clear()
+    dispatch.fla_unusable.cache_clear()
     try:
-        why = gdr.fla_unusable(0)
+        why = dispatch.fla_unusable(0)
     finally:
-        gdr.fla_unusable.cache_clear()
+        dispatch.fla_unusable.cache_clear()
     assert (why is not None) == refused
     if refused:
         assert "Hopper" in why and triton_version in why
@@ -334,10 +338,11 @@ def test_the_compiled_torch_path_matches_fla_naive_recurrent_forward_and_backwar
 
 
 def test_gdn_op_names_what_auto_runs(monkeypatch):
+    from memzoo.ops import dispatch
     from memzoo.ops import gated_delta_rule as gdr
 
     assert gdr.gdn_op("cpu") == "torch"
-    monkeypatch.setattr(gdr, "fla_unusable", lambda i=None: "flash-linear-attention is not installed")
+    monkeypatch.setattr(dispatch, "fla_unusable", lambda i=None: "flash-linear-attention is not installed")
     assert gdr.gdn_op("cuda:0") == "torch, compiled (flash-linear-attention is not installed)"
-    monkeypatch.setattr(gdr, "fla_unusable", lambda i=None: None)
+    monkeypatch.setattr(dispatch, "fla_unusable", lambda i=None: None)
     assert gdr.gdn_op("cuda") == "fla"

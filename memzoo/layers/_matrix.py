@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from memzoo.layers.base import MemoryLayer, State
-from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
+from memzoo.ops.linear_attention import linear_attention, linear_attention_final_state
 
 
 class MatrixMemory(MemoryLayer):
@@ -68,7 +68,7 @@ class GatedLinearMemory(MatrixMemory):
 
     def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
         k, v, log_alpha = self.keys_values(x)
-        o, S = linear_attention_chunked(self.query(x), k, v, log_alpha, state["S"], chunk_size=self.parallel_chunk)
+        o, S = linear_attention(self.query(x), k, v, log_alpha, state["S"], chunk_size=self.parallel_chunk)
         return self.output(o, x), {"S": S}
 
     # ---- the pairs adapter (bench/suites/pairs.py): neutral, no decay (α = 1) and the raw read Sᵀk

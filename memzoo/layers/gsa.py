@@ -56,7 +56,7 @@ from memzoo.layers._delta import linear
 from memzoo.layers.base import MemoryLayer, State
 from memzoo.modules.norm import rms_norm
 from memzoo.modules.precision import compute_dtype
-from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
+from memzoo.ops.linear_attention import linear_attention, linear_attention_final_state
 from memzoo.registration import register_layer
 
 
@@ -82,8 +82,8 @@ def gsa_read(q: Tensor, Sk: Tensor, Sv: Tensor) -> Tensor:
 def gsa_chunked(q: Tensor, k: Tensor, v: Tensor, s: Tensor, log_alpha: Tensor, Sk: Tensor, Sv: Tensor,
                 chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """The two passes (each token's write, then its read), chunked: (o [B, T, H, V], Sk, Sv)."""
-    scores, Sk = linear_attention_chunked(q, k, s, None, Sk, chunk_size=chunk_size, log_decay_v=log_alpha)
-    o, Sv = linear_attention_chunked(scores.softmax(-1), s, v, log_alpha, Sv, chunk_size=chunk_size)
+    scores, Sk = linear_attention(q, k, s, None, Sk, chunk_size=chunk_size, log_decay_v=log_alpha)
+    o, Sv = linear_attention(scores.softmax(-1), s, v, log_alpha, Sv, chunk_size=chunk_size)
     return o, Sk, Sv
 
 

@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from memzoo.layers._matrix import MatrixMemory
 from memzoo.layers.base import State, head_size
 from memzoo.modules.precision import compute_dtype
-from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
+from memzoo.ops.linear_attention import linear_attention, linear_attention_final_state
 from memzoo.registration import register_layer
 
 FEATURE_MAPS = ("elu", "identity", "l2")
@@ -205,7 +205,7 @@ class LinearAttentionMemory(MatrixMemory):
     def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
         q = self._query(x)
         k, v, log_decay = self._keys_values(x)
-        o, S = linear_attention_chunked(q, k, v, log_decay, self._pack(state), chunk_size=self.parallel_chunk)
+        o, S = linear_attention(q, k, v, log_decay, self._pack(state), chunk_size=self.parallel_chunk)
         return self._output(o, x), self._unpack(S)
 
     # ---- the pairs adapter (bench/suites/pairs.py) -----------------------------------------

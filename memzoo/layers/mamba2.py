@@ -63,7 +63,7 @@ from memzoo.modules.conv import causal_conv_stream, conv_weights
 from memzoo.modules.gates import MAMBA2_A_RANGE, mamba2_decay_init
 from memzoo.modules.norm import rms_norm
 from memzoo.modules.precision import compute_dtype
-from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
+from memzoo.ops.linear_attention import linear_attention, linear_attention_final_state
 from memzoo.registration import register_layer
 
 
@@ -182,7 +182,7 @@ class Mamba2(MatrixMemory):
         """The SSD, chunked: o_t = C_tᵀ h_t (the op's inclusive read), y_t = o_t + D x_t (Eq. 1a-1b)."""
         new: State = {}
         z, x, Bm, Cm, dt, log_a = self.project(u, state, new)
-        o, new["S"] = linear_attention_chunked(Cm, Bm, dt[..., None] * x, log_a, state["S"],
+        o, new["S"] = linear_attention(Cm, Bm, dt[..., None] * x, log_a, state["S"],
                                                chunk_size=self.parallel_chunk)
         return self.output(o + self.D.to(x.dtype)[:, None] * x, z, u), new
 

@@ -47,7 +47,7 @@ from memzoo.layers.base import State
 from memzoo.layers.lact import rope
 from memzoo.modules.norm import rms_norm
 from memzoo.modules.precision import compute_dtype
-from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
+from memzoo.ops.linear_attention import linear_attention, linear_attention_final_state
 from memzoo.registration import register_layer
 
 
@@ -154,7 +154,7 @@ class MultiScaleRetention(MatrixMemory):
     def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
         k, v, log_gamma = self.keys_values(x, state)
         q = self.scale * self.rotate(self.q_proj(x), self.positions(x, state))
-        o, S = linear_attention_chunked(q, k, v, log_gamma, state["S"], chunk_size=self.parallel_chunk)
+        o, S = linear_attention(q, k, v, log_gamma, state["S"], chunk_size=self.parallel_chunk)
         return self.output(o, x), {"S": S, "pos": state["pos"] + x.shape[1]}
 
     # ---- the pairs adapter (bench/suites/pairs.py) -----------------------------------------------

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from memzoo.modules.precision import compute_dtype, state_precision
+from memzoo.ops.dispatch import use_fla
 
 
 
@@ -54,14 +55,16 @@ def _check(q, k, v, a, b, gk, initial_state) -> None:
 
 def dplr_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: Tensor, scale: float = 1.0,
                     initial_state: Tensor | None = None, output_final_state: bool = False,
-                    chunk_size: int = 16) -> tuple[Tensor, Tensor | None]:
-    """Chunked DPLR delta rule (module docstring), exact up to rounding.
+                    chunk_size: int = 16, backend: str = "auto") -> tuple[Tensor, Tensor | None]:
+    """Chunked DPLR delta rule (module docstring), exact up to rounding; or fla's
+    ``chunk_dplr_delta_rule`` (`backend`: the rule of :mod:`memzoo.ops.dispatch`; fla's own chunk size).
 
     Args:
         q, k, a, b: [B, T, H, K]; v: [B, T, H, V]; gk: [B, T, H, K] log-decay per key channel (<= 0).
         scale: the read's scale.
         initial_state: [B, H, K, V], e.g. a previous call's final state.
-        chunk_size: tokens per chunk (any value gives the same result; memory grows as C²K).
+        chunk_size: tokens per chunk of the torch path (any value gives the same result; memory grows as C²K).
+        backend: "auto" (fla's kernel on CUDA where it can run), "torch" or "fla".
 
     Returns:
         (o [B, T, H, V] in v's dtype, the final state [B, H, K, V] in fp32 (fp64 for fp64 input) or None).
@@ -71,6 +74,12 @@ def dplr_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, gk: T
     otherwise reach the outputs before it (as :func:`memzoo.ops.gated_delta_rule.gated_delta_rule_chunked`).
     """
     _check(q, k, v, a, b, gk, initial_state)
+    if use_fla("dplr_delta_rule", q, backend) and q.shape[1] > 0:
+        from fla.ops.generalized_delta_rule import chunk_dplr_delta_rule  # lazy: only where fla runs
+
+        o, S = chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=scale, output_final_state=output_final_state,
+                                     initial_state=None if initial_state is None else initial_state.float())
+        return o.to(v.dtype), S
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     B, T, H, K = q.shape

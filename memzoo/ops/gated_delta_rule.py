@@ -36,14 +36,14 @@ compute dtype (fp32 for fp32/bf16/fp16 inputs).
 from __future__ import annotations
 
 import functools
-import warnings
-from importlib import util as importlib_util
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from memzoo.modules.precision import compute_dtype
+from memzoo.ops import dispatch
+from memzoo.ops.dispatch import use_fla
 
 
 # -----------------------------------------------------------------------------
@@ -223,14 +223,8 @@ def gated_delta_rule_chunked(
 # dispatcher
 
 def _fla_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state):
-    if not q.is_cuda:
-        raise RuntimeError("gated_delta_rule(backend='fla') needs CUDA tensors: flash-linear-attention's "
-                           "chunk kernel is Triton-only. Use backend='torch' (or 'auto') on CPU.")
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: only on the CUDA path
-    except ImportError as e:
-        raise ImportError("gated_delta_rule(backend='fla') needs flash-linear-attention "
-                          "(pip install flash-linear-attention)") from e
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: only where fla runs
+
     if initial_state is not None:
         initial_state = initial_state.float()
     o, final_state = chunk_gated_delta_rule(
@@ -257,24 +251,8 @@ def gdn_op(device: str | torch.device) -> str:
     dev = torch.device(device)
     if dev.type != "cuda":
         return "torch"
-    why = fla_unusable(dev.index)
+    why = dispatch.fla_unusable(dev.index)
     return f"torch, compiled ({why})" if why else "fla"
-
-
-@functools.cache
-def fla_unusable(device_index: int | None = None) -> str | None:
-    """Why fla's chunk kernel cannot serve "auto" on this CUDA device, or None where it can: fla
-    not installed, or a Hopper GPU with Triton in [3.4, 3.7.1), where fla refuses the gated
-    backward (it computes it wrong there: fla #640)."""
-    if importlib_util.find_spec("fla") is None:
-        return "flash-linear-attention is not installed"
-    import triton
-    from packaging.version import Version
-
-    tv = Version(triton.__version__.split("+")[0])
-    if torch.cuda.get_device_capability(device_index)[0] == 9 and Version("3.4") <= tv < Version("3.7.1"):
-        return f"Triton {triton.__version__} on a Hopper GPU (fla's gated backward needs >= 3.7.1)"
-    return None
 
 
 def gated_delta_rule(
@@ -300,23 +278,20 @@ def gated_delta_rule(
         initial_state: [B, H, K, V] (fp32) state to start from, e.g. a previous call's final state.
         output_final_state: also return the [B, H, K, V] fp32 state after the last token.
         chunk_size: chunk length of the torch path (fla's kernel uses its own, 64).
-        backend: "auto" (fla's chunk kernel on CUDA where it can run, see `fla_unusable`; else
-            torch); "auto-compiled" (as auto, but on CUDA the torch path runs compiled for
-            sequences of COMPILE_MIN_T tokens or more, unless the caller is being compiled
-            already: for callers whose lengths repeat, as the GDN mixer's in training, since each
-            new length compiles a graph); "torch"; "compiled" (the torch path under
-            torch.compile); or "fla".
+        backend: "auto", "torch" or "fla" (the rule of :mod:`memzoo.ops.dispatch`); "auto-compiled"
+            (as auto, but on CUDA the torch path runs compiled for sequences of COMPILE_MIN_T tokens
+            or more, unless the caller is being compiled already: for callers whose lengths repeat,
+            as the GDN mixer's in training, since each new length compiles a graph); or "compiled"
+            (the torch path under torch.compile).
 
     Returns:
         (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None).
     """
-    if backend in ("auto", "auto-compiled"):
-        why = fla_unusable(q.device.index) if q.is_cuda else "CPU"
-        if why and q.is_cuda:  # shown once: the message is the same each time (warnings' default filter)
-            warnings.warn(f"gated_delta_rule: the torch path on CUDA, not fla's kernel: {why}", stacklevel=2)
-        backend = "fla" if not why else "compiled" if (
-            backend == "auto-compiled" and q.is_cuda and q.shape[1] >= COMPILE_MIN_T
-            and not torch.compiler.is_compiling()) else "torch"
+    if backend == "auto-compiled":
+        backend = "fla" if use_fla("gated_delta_rule", q, "auto") else "compiled" if (
+            q.is_cuda and q.shape[1] >= COMPILE_MIN_T and not torch.compiler.is_compiling()) else "torch"
+    elif backend in ("auto", "fla"):
+        backend = "fla" if use_fla("gated_delta_rule", q, backend) else "torch"
     if backend == "compiled":
         return _compiled_chunked()(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state, chunk_size=chunk_size)

@@ -25,7 +25,8 @@ Shapes (B batch, T time, H heads, K key dim, V value dim):
                  a keyword, with or without log_decay (S_t = Diag(α_t) S_{t-1} Diag(β_t) + k_t v_tᵀ)
     state        [B, H, K, V]     (initial_state may be None = zeros)
 
-Three entry points, all returning new tensors (never in place), differentiable:
+Three entry points, all returning new tensors (never in place), differentiable (and
+:func:`linear_attention`, the dispatcher the layers call: fla's chunk kernel on CUDA, else the chunked form):
 
 - :func:`linear_attention_recurrent` — the reference: a Python loop over t, the equations verbatim.
 - :func:`linear_attention_chunked` — the parallel form used in practice. With the cumulative
@@ -59,6 +60,7 @@ import torch
 from torch import Tensor
 
 from memzoo.modules.precision import compute_dtype
+from memzoo.ops.dispatch import use_fla
 
 
 def _check(q: Tensor | None, k: Tensor, v: Tensor, log_decay: Tensor | None, initial_state: Tensor | None,
@@ -177,6 +179,39 @@ def linear_attention_final_state(
     if initial_state is not None:
         S = b_T[:, 0].exp()[..., None, None] * initial_state.to(dt) + S
     return S
+
+
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    chunk_size: int = 64,
+    *,
+    log_decay_v: Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """What the layers call: :func:`linear_attention_chunked`'s result from fla's chunk kernel where
+    `backend` picks it (the rule of :mod:`memzoo.ops.dispatch`), else from the torch path. fla's
+    ``chunk_simple_gla`` serves no decay and a decay per head, ``chunk_gla`` a decay per key channel,
+    both with scale 1 (q is given in feature space) and fla's own chunk size; a decay per value
+    channel (`log_decay_v`, GSA's first pass) has no fla kernel here and keeps the torch path."""
+    unsupported = "a decay per value channel (log_decay_v) has no fla kernel here" if log_decay_v is not None else None
+    if not use_fla("linear_attention", k, backend, unsupported) or k.shape[1] == 0:
+        return linear_attention_chunked(q, k, v, log_decay, initial_state, chunk_size, log_decay_v=log_decay_v)
+    _check(q, k, v, log_decay, initial_state, log_decay_v)
+    h0 = None if initial_state is None else initial_state.float()
+    if log_decay is not None and log_decay.dim() == 4:
+        from fla.ops.gla import chunk_gla  # lazy: only where fla runs
+
+        o, S = chunk_gla(q, k, v, log_decay.float(), scale=1.0, initial_state=h0, output_final_state=True)
+    else:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        g = None if log_decay is None else log_decay.float()
+        o, S = chunk_simple_gla(q, k, v, g, scale=1.0, initial_state=h0, output_final_state=True)
+    return o.to(v.dtype), S
 
 
 def linear_attention_chunked(
