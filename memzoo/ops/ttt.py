@@ -23,6 +23,10 @@ a token reads are W_0 − c_{pos} G), so a sequence split at any token gives wha
 release runs a call's last partial mini-batch as a mini-batch of its own and commits it; the
 weights that token reads are the same, and the next call here continues the mini-batch instead.)
 
+No fla path: fla's ``chunk_ttt_linear`` (and its reference ``fla.ops.ttt.naive.ttt_linear``) moves token i's
+weights at the rate η_i of the reading token, where TTT's release and this op use η[i, j] = c_i lr_j, set by
+each source token's lr; the two agree only for an lr constant over a call, which no layer's call has.
+
 Non-finite input: a token whose q, k, v or lr is not finite is zeroed, and its output, every later
 one and the state are NaN (as the chunked delta-rule ops: 0 × NaN in the dual form's masked matmuls
 would reach the earlier outputs).
