@@ -4,8 +4,8 @@
 
 It prints the run's jobs in the order the bench takes them: each toys cell (model, task, width,
 seed) with its learning rates and its training steps at the cap, marked where results.jsonl already
-holds it (what ``--resume`` skips), and each other job with its units of work. Then the total at
-the cap and an estimate of the time on the target device.
+holds it (what ``--resume`` skips), and each LM job (ppl, niah) marked recorded or with its LM training
+steps (`_LMEstimate`). Then the totals at the cap and an estimate of the time on the target device.
 
 The estimate is read from the rows: the seconds per training step of the preset's toys cells (and of
 the presets whose cells it reuses or whose lrs it takes, ``toys.reuse`` and ``toys.lr_of``) recorded
@@ -71,9 +71,10 @@ def print_plan(ctx, queued: list, device: str, jobs: int | None) -> None:
     total_steps, total_s, recorded, cells = 0, 0.0, 0, 0
     states: dict = {}  # (model, width): the memory's state numbers per sequence
     print(f"{'job':52s} {'lrs':>4s} {'steps at the cap':>17s} {'estimate':>10s} {'state':>8s}")
+    lm = _LMEstimate(ctx, device, gpu)
     for job in queued:
         if job.part is None or job.suites != (toys.NAME,):
-            print(f"{' '.join(job.suites) + ' ' + job.layer:52s} {'':>4s} {'(not estimated)':>17s}")
+            lm.job(job)
             continue
         name, task, width, seed = job.part
         done = toys.cell_key(ctx, s, name, task, width, seed)[3] is not None
@@ -90,6 +91,7 @@ def print_plan(ctx, queued: list, device: str, jobs: int | None) -> None:
         what = f"toys {name} {task} d={width} seed {seed}"
         print(f"{what:52s} {lrs:>4d} {'recorded' if done else f'{steps:,}':>17s} "
               f"{'' if done else _minutes(steps * sec):>10s} {states[name, width]:>8,}")
+    lm.summary()
     if not cells:
         return
     _print_sizes(s, states)
@@ -101,6 +103,56 @@ def print_plan(ctx, queued: list, device: str, jobs: int | None) -> None:
           f"{total_steps:,} training steps at the cap (every lr to {s.max_steps:,}; an early stop saves steps, lrs past "
           f"the grid's edges add up to {toys.MAX_BEYOND + 2}). Estimate: {_minutes(total_s)} on {where}, one cell at a time "
           f"({basis}){packed}.")
+
+
+class _LMEstimate:
+    """The LM suites' jobs (ppl, niah: a job trains the layer's LMs once, then evaluates them): each marked
+    recorded where every one of its LMs' rows is (what ``--resume`` skips), else its training steps
+    (`lm.untrained_steps`: none for an LM cached in the work dir) and an estimate from the preset's LM rows
+    on this kind of device: the median seconds per training step (``lm_train_wall_s / lm_steps``) and, per
+    suite, the median seconds one LM's evaluation took (the sum of its rows' wall times)."""
+
+    def __init__(self, ctx, device: str, gpu: str | None):
+        from memzoo.bench.registry import SUITES
+
+        self.ctx, self.jobs, self.recorded, self.steps, self.seconds = ctx, 0, 0, 0, 0.0
+        rows = [r for r in read_results(ctx.recorder.path)
+                if r["preset"] == ctx.preset.name and SUITES.get(r["suite"]) and SUITES[r["suite"]].uses_lm
+                and on_device(r, device, gpu)]
+        per_step = [r["metrics"]["lm_train_wall_s"] / r["metrics"]["lm_steps"] for r in rows
+                    if r["metrics"].get("lm_steps") and r["metrics"].get("lm_train_wall_s")]
+        self.step_s = statistics.median(per_step) if per_step else None
+        groups: dict = {}
+        for r in rows:
+            groups.setdefault((r["suite"], r["layer"], r["seed"]), []).append(r["wall_s"])
+        self.eval_s = {su: statistics.median(sum(w) for (g, _, _), w in groups.items() if g == su)
+                       for su in {g for g, _, _ in groups}}
+
+    def job(self, job) -> None:
+        from memzoo.bench.lm import models, untrained_steps
+        from memzoo.bench.registry import get_suite
+
+        what = " ".join(job.suites) + " " + job.layer
+        suites = [get_suite(su) for su in job.suites]
+        lms = [(su, m) for su in suites for m in models(self.ctx, job.layer, su.name)]
+        self.jobs += 1
+        if lms and all(su.recorded is not None and su.recorded(self.ctx, m) for su, m in lms):
+            self.recorded += 1
+            print(f"{what:52s} {'':>4s} {'recorded':>17s}")
+            return
+        steps = untrained_steps(self.ctx, job.layer, list(job.suites))
+        sec = None if self.step_s is None else steps * self.step_s + sum(self.eval_s.get(su.name, 0.0) for su, _ in lms)
+        self.steps += steps
+        self.seconds += sec or 0.0
+        print(f"{what:52s} {'':>4s} {f'{steps:,} LM steps':>17s} {'' if sec is None else _minutes(sec):>10s}")
+
+    def summary(self) -> None:
+        if not self.jobs:
+            return
+        how = (f"Estimate: {_minutes(self.seconds)}, from this preset's LM rows on this device" if self.step_s is not None
+               else "not estimated: no LM row of this preset was recorded on this device yet")
+        print(f"\n{self.jobs} LM jobs (ppl, niah), {self.recorded} recorded (--resume skips them); "
+              f"{self.steps:,} LM training steps to run. {how}.")
 
 
 def _print_sizes(s, states: dict) -> None:

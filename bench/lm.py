@@ -119,9 +119,9 @@ def lm_config(ctx: Context, layer: str, suite: str = "ppl") -> tuple[RunConfig, 
 
 
 def recorded(ctx: Context, suite: str, layer: str, settings: list[dict], own: dict) -> list[dict] | None:
-    """With `ctx.resume`, the rows `suite` already recorded for `layer`'s LM at every one of
-    `settings` (same config hash and seed: the LM's config, as `shared_lm` records it, plus
-    `own`, the suite's settings), which a resumed run then neither trains nor evaluates again;
+    """With `ctx.resume` (a dry run's too), the rows `suite` already recorded for `layer`'s
+    LM at every one of `settings` (same config hash and seed: the LM's config, as `shared_lm` records it,
+    plus `own`, the suite's settings), which a resumed run then neither trains nor evaluates again;
     None where one is missing."""
     if not ctx.resume:
         return None

@@ -20,6 +20,7 @@ class Suite:
     work: Callable
     parts: Callable | None = None
     uses_lm: bool = False
+    recorded: Callable | None = None  # an LM suite's (ctx, model) -> the rows of that model's LM a resumed run skips, or None
 
 
 SUITES: dict[str, Suite] = {}

@@ -370,6 +370,22 @@ def test_workers_measure_what_one_process_measures(micro, tmp_path):
     assert len({r["run_id"] for r in two}) == 1
 
 
+def test_a_dry_run_marks_recorded_lms_and_estimates_the_others(micro, tmp_path, capsys):
+    """The LM suites' jobs in a dry run: an LM whose rows are all recorded (same work dir: its config
+    names it) is marked, another gets its training steps and an estimate from the recorded LM rows."""
+    from memzoo.bench.run import run_bench
+
+    run_bench("fwpkm", "ppl", str(micro), out=tmp_path, work_dir=tmp_path / "w", progress=False, jobs=1)
+    capsys.readouterr()
+    run_bench("fwpkm,linear", "ppl", str(micro), out=tmp_path, work_dir=tmp_path / "w", progress=False, dry_run=True,
+              device="cpu")
+    text = capsys.readouterr().out
+    lines = {ln.split()[1]: ln for ln in text.splitlines() if ln.startswith("ppl ")}
+    assert "recorded" in lines["baseline"] and "recorded" in lines["fwpkm"]
+    assert "LM steps" in lines["linear"] and "min" in lines["linear"]
+    assert "3 LM jobs (ppl, niah), 2 recorded" in text and "from this preset's LM rows on this device" in text
+
+
 def test_a_bench_worker_ends_when_its_parent_is_killed():
     """`exit_with`: a worker whose bench process dies (SIGKILL: no handler runs) stops instead of
     appending rows on its own."""

@@ -282,15 +282,25 @@ def work(ctx: Context, layer: str) -> int:
     return len(models(ctx, layer, NAME)) * len(s.lengths) * s.samples
 
 
+def recorded_rows(ctx: Context, layer: str) -> list[dict] | None:
+    """The rows of `layer`'s LM (a model of `lm.models`) already recorded at every cell, as `lm.recorded`."""
+    from memzoo.bench.lm import recorded
+
+    s = ctx.preset.settings(NAME, Settings)
+    asked = replace(s, iters=[1]) if layer in CONTROLS else s  # n-iter is a memory's; a control reads once
+    return recorded(ctx, NAME, layer, [{"length": n, "n_iter": i} for n in s.lengths for i in asked.iters],
+                    {"niah": asdict(s)})
+
+
 def run(ctx: Context, layers: list[str]) -> list[dict]:
-    from memzoo.bench.lm import models, recorded, shared_lm
+    from memzoo.bench.lm import models, shared_lm
     from memzoo.data import get_tokenizer
 
     s = ctx.preset.settings(NAME, Settings)
     rows, sources = [], {}
     for layer in [m for name in layers for m in models(ctx, name, NAME)]:
         asked = replace(s, iters=[1]) if layer in CONTROLS else s  # n-iter is a memory's; a control reads once
-        done = recorded(ctx, NAME, layer, [{"length": n, "n_iter": i} for n in s.lengths for i in asked.iters], {"niah": asdict(s)})
+        done = recorded_rows(ctx, layer)
         if done:  # a resumed run: every cell of this LM is recorded
             rows += done
             ctx.advance(len(s.lengths) * s.samples, f"niah {layer} (recorded)")
@@ -380,4 +390,4 @@ if __name__ == "__main__":
     main()
 
 
-register_suite(Suite(NAME, Settings, run, work, uses_lm=True))
+register_suite(Suite(NAME, Settings, run, work, uses_lm=True, recorded=recorded_rows))

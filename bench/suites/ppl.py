@@ -216,15 +216,23 @@ def passages(s: Settings, tok) -> list[torch.Tensor]:
     return [d[: s.passage_len + 1] for d in docs[: s.passages]]
 
 
+def recorded_rows(ctx: Context, layer: str) -> list[dict] | None:
+    """The rows of `layer`'s LM (a model of `lm.models`) already recorded at every cell, as `lm.recorded`."""
+    from memzoo.bench.lm import recorded
+
+    s = ctx.preset.settings(NAME, Settings)
+    cells = [{"corpus": c, "mode": m} for c in s.corpora for m in MODES] + ([{"corpus": "repeat", "mode": "carry"}] if s.passages else [])
+    return recorded(ctx, NAME, layer, cells, {"ppl": asdict(s)})
+
+
 def run(ctx: Context, layers: list[str]) -> list[dict]:
-    from memzoo.bench.lm import models, recorded, shared_lm
+    from memzoo.bench.lm import models, shared_lm
     from memzoo.data import get_tokenizer, load_corpus, split_documents, tokenize_corpus
 
     s = ctx.preset.settings(NAME, Settings)
     rows = []
-    cells = [{"corpus": c, "mode": m} for c in s.corpora for m in MODES] + ([{"corpus": "repeat", "mode": "carry"}] if s.passages else [])
     for layer in [m for name in layers for m in models(ctx, name)]:
-        done = recorded(ctx, NAME, layer, cells, {"ppl": asdict(s)})
+        done = recorded_rows(ctx, layer)
         if done:  # a resumed run: every cell of this LM is recorded
             rows += done
             ctx.advance(len(s.corpora) * len(MODES) + (s.passages > 0), f"ppl {layer} (recorded)")
@@ -262,4 +270,4 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
     return rows
 
 
-register_suite(Suite(NAME, Settings, run, work, uses_lm=True))
+register_suite(Suite(NAME, Settings, run, work, uses_lm=True, recorded=recorded_rows))
