@@ -10,7 +10,11 @@
 3. The interpreter has no ``tl.gather``: fla's kernels that use it when Triton has it (the DPLR and KDA
    intra-chunk kernels, through ``IS_GATHER_SUPPORTED``) take their other branch, a masked sum.
 
-`apply()` installs the three and returns None, or returns why they cannot apply here (fla absent, another
+4. The interpreter multiplies bf16 operands of ``tl.dot`` as their raw uint16 bits (it stores bf16 as uint16
+   and ``InterpreterBuilder.create_dot`` widens only fp8): fla's MesaNet reads its bf16 chunk states with
+   such a dot. A bf16 operand is widened to fp32 first (exact: its bits shifted into an fp32's high half).
+
+`apply()` installs the four and returns None, or returns why they cannot apply here (fla absent, another
 Triton whose internals differ), for the tests to skip with that reason.
 """
 
@@ -35,8 +39,9 @@ def apply() -> str | None:
 
     if not triton.__version__.startswith(TESTED):
         return f"the interpreter shims are written for Triton {', '.join(TESTED)}; this is {triton.__version__}"
-    if not hasattr(Autotuner, "prune_configs") or not hasattr(interpreter, "ASTTransformer"):
-        return f"Triton {triton.__version__} lacks Autotuner.prune_configs or interpreter.ASTTransformer"
+    if not all(hasattr(o, n) for o, n in ((Autotuner, "prune_configs"), (interpreter, "ASTTransformer"),
+                                           (getattr(interpreter, "InterpreterBuilder", None), "create_dot"))):
+        return f"Triton {triton.__version__} lacks the internals these shims patch"
     if getattr(Autotuner, "_memzoo_shim", False):
         return None
     prune = Autotuner.prune_configs
@@ -60,6 +65,20 @@ def apply() -> str | None:
     for name, mod in list(sys.modules.items()):
         if (name == "fla" or name.startswith("fla.")) and hasattr(mod, "IS_GATHER_SUPPORTED"):
             mod.IS_GATHER_SUPPORTED = False
+    import numpy as np
+    from triton import language as tl
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widen(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, *args):
+        return dot(self, widen(a), widen(b), d, *args)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
     Autotuner.prune_configs = first_config
     Autotuner._memzoo_shim = True
     interpreter.ASTTransformer.visit_For = visit_For

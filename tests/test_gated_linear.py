@@ -505,7 +505,7 @@ def test_gsa_matches_fla_naive_recurrent_gsa():
     """The two passes as the layer runs them (``gsa_chunked``: the op at chunks of 4, T = 21, from nonzero
     K̃ᵀ and Ṽ) against fla's ``naive_recurrent_gsa`` with scale 1 (fla's layer's): the outputs, both final
     states, and the gradients of q, k, v, 1 − α, log α and both initial states."""
-    from memzoo.layers.gsa import gsa_chunked
+    from memzoo.ops.gsa import gsa_chunked
 
     _, state, _, q, k, v, s, g = gsa_inputs()
     q, k, v, s, g, Sk, Sv = leaves(q, k, v, s, g, state["Sk"], state["Sv"])
@@ -521,7 +521,7 @@ def test_gsa_matches_the_papers_token_loop():
     Ṽ_t = Diag(α_t) Ṽ_{t-1} + (1 − α_t) ⊗ v_t ∈ R^{m×V}, o_t = Ṽ_tᵀ softmax(K̃_t q_t), with α_t =
     sigmoid(W_α x_t)^{1/τ} (τ = 8) and q, k, v = swish(W x) written out; against the layer's ``gsa_chunked``
     (its K̃ᵀ compared transposed), and the layer's read of x_t after its write."""
-    from memzoo.layers.gsa import gsa_chunked
+    from memzoo.ops.gsa import gsa_chunked
 
     layer, state, x, q, k, v, s, g = gsa_inputs()
     with torch.no_grad():

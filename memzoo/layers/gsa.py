@@ -18,9 +18,10 @@ v_t and the decay α_t on its key axis (GLA's Diag(α_t)), the state Ṽ ∈ R^{
     ô_t = (K̃_tᵀ)ᵀ q_t ∈ R^m,    K̃_tᵀ = K̃_{t-1}ᵀ Diag(α_t) + k_t (1 − α_t)ᵀ
     o_t = Ṽ_tᵀ softmax(ô_t),    Ṽ_t = Diag(α_t) Ṽ_{t-1} + (1 − α_t) v_tᵀ
 
-Both run on the shared op :mod:`memzoo.ops.linear_attention` (the first with its decay per value
-channel, the second with its decay per key channel); its chunked form is the paper's chunkwise
-two-pass GLA. The slow projections (Sec. 3, the GSA layer):
+Both passes and the softmax are the op :func:`memzoo.ops.gsa.gsa`: on the torch path two runs of
+:mod:`memzoo.ops.linear_attention`'s chunked form (the first with its decay per value channel, the second
+with its decay per key channel), the paper's chunkwise two-pass GLA; on CUDA fla's ``chunk_gsa``, the same
+math in one fused op. The slow projections (Sec. 3, the GSA layer):
 
     q_t = swish(W_q x_t),  k_t = swish(W_k x_t),  v_t = swish(W_v x_t)
     α_t = sigmoid(W_α x_t)^{1/τ},  τ = 8           (log α_t = logsigmoid(W_α x_t) / τ ≤ 0; 1 − α_t = −expm1)
@@ -56,7 +57,8 @@ from memzoo.layers._delta import linear
 from memzoo.layers.base import MemoryLayer, State
 from memzoo.modules.norm import rms_norm
 from memzoo.modules.precision import compute_dtype
-from memzoo.ops.linear_attention import linear_attention, linear_attention_final_state
+from memzoo.ops.gsa import gsa
+from memzoo.ops.linear_attention import linear_attention_final_state
 from memzoo.registration import register_layer
 
 
@@ -77,14 +79,6 @@ def gsa_read(q: Tensor, Sk: Tensor, Sv: Tensor) -> Tensor:
     """o = Ṽᵀ softmax(K̃ q) for every query q [B, T, H, K] of one memory: [B, T, H, V]."""
     p = torch.einsum("bthk,bhkm->bthm", q, Sk).softmax(-1)
     return torch.einsum("bthm,bhmv->bthv", p, Sv)
-
-
-def gsa_chunked(q: Tensor, k: Tensor, v: Tensor, s: Tensor, log_alpha: Tensor, Sk: Tensor, Sv: Tensor,
-                chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The two passes (each token's write, then its read), chunked: (o [B, T, H, V], Sk, Sv)."""
-    scores, Sk = linear_attention(q, k, s, None, Sk, chunk_size=chunk_size, log_decay_v=log_alpha)
-    o, Sv = linear_attention(scores.softmax(-1), s, v, log_alpha, Sv, chunk_size=chunk_size)
-    return o, Sk, Sv
 
 
 @register_layer("gsa")
@@ -177,7 +171,7 @@ class GatedSlotAttention(MemoryLayer):
         return {"Sk": Sk, "Sv": Sv}
 
     def forward_state(self, x: Tensor, state: State) -> tuple[Tensor, State]:
-        o, Sk, Sv = gsa_chunked(self.query(x), *self.keys_values(x), state["Sk"], state["Sv"], self.parallel_chunk)
+        o, Sk, Sv = gsa(self.query(x), *self.keys_values(x), state["Sk"], state["Sv"], self.parallel_chunk)
         return self.output(o, x), {"Sk": Sk, "Sv": Sv}
 
     # ---- the pairs adapter (bench/suites/pairs.py) -----------------------------------------------

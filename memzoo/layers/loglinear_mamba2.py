@@ -34,7 +34,8 @@ token (``inclusive = False``, ``chunk_size = None``). ``read_state`` reads every
 position n, as the paper's output there: the held levels are n's buckets, so o = a_t Σ_ℓ λ_t^ℓ S^ℓᵀ C_t +
 λ_t^0 Δ_t (C_t·B_t) x_t; ``write_state`` writes x's tokens at n, n + 1, ... (one call, no token loop);
 ``forward_state`` runs the op a chunk at a time (the paper's chunkwise form: the chunk's keys by the masked
-matrix, the earlier ones by their levels), equal to the per-token read-then-write.
+matrix, the earlier ones by their levels), equal to the per-token read-then-write; or fla's kernel for the
+call's own keys where it covers the call (:func:`memzoo.ops.log_linear_attention.log_linear_attention`).
 
 The state, per sequence: ``S`` [B, H, num_levels − 1, N, P], the levels 1 .. num_levels − 1 held in a fixed
 array, a level zero while its bucket is empty (a state dict of fixed shapes, so load_state, detach and
@@ -56,7 +57,11 @@ from torch import Tensor, nn
 from memzoo.layers._delta import linear
 from memzoo.layers.base import State, state_precision
 from memzoo.layers.mamba2 import Mamba2
-from memzoo.ops.log_linear_attention import bit_length, log_linear_chunk
+from memzoo.ops.log_linear_attention import (
+    bit_length,
+    log_linear_attention,
+    log_linear_chunk,
+)
 from memzoo.registration import register_layer
 
 #: fla's number of λ levels (``MAX_NUM_LEVELS``: ceil(log2 16384) + 1)
@@ -144,22 +149,16 @@ class LogLinearMamba2(Mamba2):
         return new
 
     def forward_state(self, u: Tensor, state: State) -> tuple[Tensor, State]:
-        """The log-linear SSD a chunk at a time (o_t with every level, the token's own at level 0), y = o + D x."""
+        """The log-linear SSD over the call (o_t with every level, the token's own at level 0), y = o + D x: the
+        op a chunk at a time, or fla's kernel where it covers the call (:func:`log_linear_attention`)."""
         new: State = {}
         self.check_length(state["pos"], u.shape[1])
         z, x, Bm, Cm, dt, log_a = self.project(u, state, new)
         lam = self.levels(u)
-        v = dt[..., None] * x
-        S, pos, outs = state["S"], state["pos"], []
-        C = self.parallel_chunk
         with state_precision(u.device):
-            for a in range(0, u.shape[1], C):
-                o, S = log_linear_chunk(Cm[:, a:a + C], Bm[:, a:a + C], v[:, a:a + C], log_a[:, a:a + C],
-                                        lam[:, a:a + C], S, pos)
-                outs.append(o)
-                pos = pos + o.shape[1]
-        o = torch.cat(outs, dim=1) if outs else x.new_zeros(x.shape)
-        new["S"], new["pos"] = S, pos
+            o, new["S"] = log_linear_attention(Cm, Bm, dt[..., None] * x, log_a, lam, state["S"], state["pos"],
+                                               self.parallel_chunk)
+        new["pos"] = state["pos"] + u.shape[1]
         return self.output(o + self.D.to(x.dtype)[:, None] * x, z, u), new
 
     # ---- the pairs adapter (bench/suites/pairs.py) -----------------------------------------------

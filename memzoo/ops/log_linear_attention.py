@@ -34,6 +34,9 @@ that rule, the call's own keys by ℓ(t, s). Shapes (B batch, T time, H heads, N
   causal selection of :func:`memzoo.ops.linear_attention.causal_matmul`; the carried levels read per query)
   and the state after it (the merge as :func:`memzoo.ops.linear_attention.linear_attention_final_state`
   over the levels as heads, per-head decay). Cost O(T² + T·L) per call: the layer calls it per chunk.
+- :func:`log_linear_attention` — a whole call, what the layer's forward runs: :func:`log_linear_chunk` a chunk
+  at a time (its [C, C] masks stay small), or fla's ``chunk_log_linear_attn`` for the call's own keys where
+  :mod:`memzoo.ops.dispatch` picks it.
 - :func:`log_linear_recurrent` — the reference: the Fenwick recurrence a token at a time.
 """
 
@@ -42,7 +45,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from memzoo.ops.dispatch import use_fla
 from memzoo.ops.linear_attention import causal_matmul, linear_attention_final_state
+
+#: fla's ``chunk_log_linear_attn``: its state dimension comes in blocks of BLOCK_K = 64, and its chunk
+#: levels stop at 2^17 tokens ("Sequence length must be less than 2**17")
+FLA_BLOCK_K, FLA_MAX_T = 64, 2**17
 
 
 def bit_length(x: Tensor, bits: int) -> Tensor:
@@ -108,6 +116,80 @@ def log_linear_chunk(q: Tensor | None, k: Tensor, v: Tensor, log_a: Tensor, lam:
     g_lv = log_a[..., None].expand(B, T, H, Lh).flatten(2, 3)
     S_new = linear_attention_final_state(k_lv, v_lv, g_lv, S0.flatten(1, 2)).unflatten(1, (H, Lh))
     return o, S_new
+
+
+def _fla_log_linear_unsupported(k: Tensor, v: Tensor, S: Tensor, pos: Tensor) -> str | None:
+    """Why fla's ``chunk_log_linear_attn`` does not give this call's own-key outputs, or None."""
+    T, N, P, L = k.shape[1], k.shape[-1], v.shape[-1], S.shape[2] + 1
+    m = (T - 1).bit_length()  # the call's own levels: ℓ(t, s) <= bit_length(T - 1)
+    if N % FLA_BLOCK_K:
+        return f"a key width N={N} (fla's chunk_log_linear_attn takes multiples of {FLA_BLOCK_K})"
+    if P & (P - 1):
+        return f"a value width P={P} (fla's chunk_log_linear_attn takes powers of two)"
+    if T > FLA_MAX_T:
+        return f"{T} tokens in one call (fla's chunk_log_linear_attn takes fewer than {FLA_MAX_T})"
+    if m > L - 1:
+        return (f"{T} tokens reach level {m}, past the {L} levels of λ (this op weighs them by λ^(L-1), "
+                f"fla's kernel by 0)")
+    if bool((pos % (1 << m)).any()):
+        return (f"a call of {T} tokens from a position that is not a multiple of 2^{m} (fla counts levels from "
+                f"the call's first token, equal to the absolute positions' only there)")
+    return None
+
+
+def log_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, lam: Tensor, S: Tensor, pos: Tensor,
+                         chunk_size: int = 64, *, backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """T tokens at positions pos, pos + 1, ... from the state (S, pos): (o [B, T, H, P], the levels after them
+    [B, H, L−1, N, P]), shapes and math as :func:`log_linear_chunk`'s, which the torch path runs a `chunk_size`
+    of tokens at a time. The caller moves pos on by T.
+
+    Or, where `backend` picks it (the rule of :mod:`memzoo.ops.dispatch`), the part of o from the call's own
+    keys, Σ_{s≤t in the call} λ_t^{ℓ(t,s)} e^{b_t − b_s} (q_t·k_s) v_s, from fla's ``chunk_log_linear_attn``
+    (the same Fenwick levels ℓ, 0 the token itself; g = log a, natural log, per head; λ [B, T, H, L] per
+    query, head and level; scale 1; started from no state), and the rest as the torch path computes it: the
+    read of the carried levels S (skipped where S is zero and needs no gradient) and the levels after the
+    call (the pure write of :func:`log_linear_chunk`, q = None), chunk by chunk. fla numbers positions from
+    the call's first token and its state (``LogLinearAttentionState``: chunk levels plus the raw inputs of a
+    partial chunk, no backward through it) is not this op's levels, hence that split. The split is exact
+    where the call's levels are fla's: every pos a multiple of 2^m, m = bit_length(T − 1) (a fresh state,
+    or a stream in power-of-two segments), and m <= L − 1; other calls, and fla's limits on N, P and T,
+    keep the torch path."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    B, T, H, _ = k.shape
+    dt = S.dtype
+    if T == 0:
+        return v.new_zeros(B, 0, H, v.shape[-1], dtype=dt), S
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    unsupported = None if backend == "torch" else _fla_log_linear_unsupported(k, v, S, pos)  # (a host sync)
+    if not use_fla("log_linear_attention", k, backend, unsupported):
+        outs = []
+        for a in range(0, T, chunk_size):
+            o, S = log_linear_chunk(q[:, a:a + chunk_size], k[:, a:a + chunk_size], v[:, a:a + chunk_size],
+                                    log_a[:, a:a + chunk_size], lam[:, a:a + chunk_size], S, pos + a)
+            outs.append(o)
+        return torch.cat(outs, dim=1), S
+    from fla.ops.log_linear_attn import chunk_log_linear_attn  # lazy: where fla runs
+
+    o, _ = chunk_log_linear_attn(q, k, v, log_a.float(), lam.float(), scale=1.0)
+    o = o.to(dt)
+    Lh = S.shape[2]
+    if S.requires_grad or bool(S.any()):  # the carried levels, read by every query: log_linear_chunk's read
+        b = log_a.to(dt).cumsum(1)  # [B, T, H]
+        starts = bucket_starts(pos, Lh)
+        reads = []
+        for a in range(0, T, chunk_size):
+            p = pos[:, None] + torch.arange(a, min(a + chunk_size, T), device=k.device)
+            lvl0 = fenwick_level(p[:, :, None], starts[:, None, :], Lh + 1).clamp(max=Lh)  # [B, C, L-1]
+            lam_c = lam[:, a:a + chunk_size].to(dt)
+            w0 = lam_c.gather(-1, lvl0[:, :, None, :].expand(*lam_c.shape[:3], Lh))  # [B, C, H, L-1]
+            read = torch.einsum("bthn,bhjnp->bthjp", q[:, a:a + chunk_size], S)
+            reads.append(b[:, a:a + chunk_size].exp()[..., None] * (w0[..., None] * read).sum(3))
+        o = o + torch.cat(reads, dim=1)
+    for a in range(0, T, chunk_size):  # the levels after the call: the pure write
+        _, S = log_linear_chunk(None, k[:, a:a + chunk_size], v[:, a:a + chunk_size], log_a[:, a:a + chunk_size],
+                                None, S, pos + a)
+    return o, S
 
 
 def log_linear_recurrent(q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, lam: Tensor, S: Tensor,

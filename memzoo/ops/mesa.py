@@ -29,7 +29,8 @@ converged this is the exact gradient of (H_t + Λ)^{-1} q_t; the iterations are 
 
 - :func:`conjugate_gradient` — the iteration, for any symmetric positive-definite matvec.
 - :func:`mesa_solve` — x = A^{-1} q with the implicit gradient (a matvec built from tensors).
-- :func:`mesa_chunked` — the whole inclusive read over a sequence from an initial (H_0, G_0): (o, H_T, G_T).
+- :func:`mesa_chunked` — the whole inclusive read over a sequence from an initial (H_0, G_0): (o, H_T, G_T);
+  or fla's ``chunk_mesa_net`` where :mod:`memzoo.ops.dispatch` picks it (the same rule, CG and implicit gradient).
 - :func:`mesa_step_read` — every token's read from one memory (H, G) plus the token's own write only.
 - :func:`mesa_recurrent` — the reference: a token loop of Eq. 5 with the exact solve (``torch.linalg.solve``).
 """
@@ -42,6 +43,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from memzoo.ops.dispatch import use_fla
 from memzoo.ops.linear_attention import linear_attention_chunked, linear_attention_final_state
 
 #: the stabiliser of the conjugate gradient's two divisions (fla's references and kernels)
@@ -115,11 +117,53 @@ def _sequence_matvec(p: Tensor, k: Tensor, beta: Tensor, log_gamma: Tensor, lam:
     return linear_attention_chunked(p, beta[..., None] * k, k, log_gamma, H0, chunk_size=chunk_size)[0] + lam * p
 
 
+def _fla_mesa_unsupported(k: Tensor, v: Tensor, eps: float) -> str | None:
+    """Why fla's ``chunk_mesa_net`` does not compute this call of :func:`mesa_chunked`, or None."""
+    K, V = k.shape[-1], v.shape[-1]
+    if eps != CG_EPS:
+        return f"a conjugate-gradient stabiliser eps={eps} (fla's kernels fix it at {CG_EPS})"
+    if K != V:
+        return f"keys and values of different widths (K={K}, V={V}; fla's chunk_mesa_net needs K = V)"
+    if K > 128:
+        return f"a head width K={K} (fla's conjugate-gradient kernel takes K <= 128)"
+    return None
+
+
 def mesa_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_gamma: Tensor, lam: Tensor, H0: Tensor,
-                 G0: Tensor, steps: int, chunk_size: int = 64, eps: float = CG_EPS) -> tuple[Tensor, Tensor, Tensor]:
+                 G0: Tensor, steps: int, chunk_size: int = 64, eps: float = CG_EPS, *,
+                 backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """The Mesa read of every token, inclusive (token t's own write is in H_t and G_t), from (H_0, G_0):
     q, k [B, T, H, K], v [B, T, H, V], β and log γ [B, T, H], λ [H, K], H_0 [B, H, K, K], G_0 [B, H, K, V].
-    Returns (o [B, T, H, V], H_T, G_T). One chunked linear attention per conjugate-gradient step."""
+    Returns (o [B, T, H, V], H_T, G_T). One chunked linear attention per conjugate-gradient step.
+
+    Or fla's ``chunk_mesa_net`` where `backend` picks it (the rule of :mod:`memzoo.ops.dispatch`): the same
+    H_t, G_t (g = log γ, natural log; β and λ = Diag(λ) per head; scale 1; states [K, K] and [K, V] read as
+    pᵀH), the same `steps` conjugate-gradient steps from x_0 = 0 with ε = 1e-5, and the same implicit
+    gradient; fla's own chunk size (any chunk size is exact). Calls with another ε, K ≠ V or K > 128 keep
+    the torch path, and so do fp32 calls under "auto" (bf16/fp16 ones, as under autocast, take fla). fla computes at a fixed precision whatever the inputs': q and k rounded to fp16, the
+    chunks' G states in bf16, the backward's solve returned in fp16 (``ChunkMesaNetFunction``,
+    ``chunk_mesa_fwd_h``, ``chunk_mesa_cg_bwd``), so it agrees with the torch path to fp16/bf16 rounding,
+    not to fp32's. The glue, both for agreement with the torch path's gradient: H_T is the torch write
+    (:func:`linear_attention_final_state`, one einsum), and ∂H_0 is transposed: fla's backward gives −Σ_t e^{b_t} u_t x_tᵀ, the transpose of the
+    implicit gradient −Σ_t e^{b_t} x_t u_tᵀ of its own forward p ↦ H_0ᵀ p (the two agree on the
+    symmetric directions, the only ones an H built by writes moves in)."""
+    unsupported = _fla_mesa_unsupported(k, v, eps) or (
+        "an fp32 call (fla's chunk_mesa_net computes at fp16/bf16 precision; backend='fla' takes it anyway)"
+        if backend == "auto" and k.dtype == torch.float32 else None)
+    if not use_fla("mesa_chunked", k, backend, unsupported) or k.shape[1] == 0:
+        return _mesa_chunked_torch(q, k, v, beta, log_gamma, lam, H0, G0, steps, chunk_size, eps)
+    from fla.ops.mesa_net import chunk_mesa_net  # lazy: only where fla runs
+
+    h_kk = H0.detach() + (H0 - H0.detach()).mT  # the value H_0, its gradient transposed (docstring)
+    o, _, G = chunk_mesa_net(q, k, v, log_gamma.float(), beta.float(), lam.float(), h_kk_init=h_kk.float(),
+                             h_kv_init=G0.float(), output_final_state=True, max_CG_iteration=steps)
+    H = linear_attention_final_state(beta[..., None] * k, k, log_gamma, H0)
+    return o.to(v.dtype), H, G
+
+
+def _mesa_chunked_torch(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_gamma: Tensor, lam: Tensor, H0: Tensor,
+                        G0: Tensor, steps: int, chunk_size: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`mesa_chunked`'s torch path."""
     lam = lam.to(q.dtype)
     q_star = mesa_solve(partial(_sequence_matvec, chunk_size=chunk_size), q, (k, beta, log_gamma, lam, H0), steps, eps)
     kb = beta[..., None] * k
@@ -139,7 +183,11 @@ def mesa_step_read(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_gamma: Ten
                    G: Tensor, steps: int, eps: float = CG_EPS) -> Tensor:
     """Every token's read from the same memory (H, G) plus its own write only: with H'_t = γ_t H + β_t k_t k_tᵀ
     and G'_t = γ_t G + β_t k_t v_tᵀ, o_t = G'_tᵀ (H'_t + Λ)^{-1} q_t (Eq. 5 for one step from (H, G)); shapes as
-    :func:`mesa_chunked`'s. Nothing is written: token t's read ignores the tokens before it in q."""
+    :func:`mesa_chunked`'s. Nothing is written: token t's read ignores the tokens before it in q.
+
+    Torch only: fla's one-token op (``mesa_net_decoding_one_step``) starts its solve from the Jacobi guess
+    q / (diag H + λ + 1e-5), not from 0, so after a fixed number of steps it is another function (and it
+    takes one token per call, with no backward)."""
     lam = lam.to(q.dtype)
     q_star = mesa_solve(_step_matvec, q, (H, k, beta, log_gamma, lam), steps, eps)
     o = torch.einsum("bhkv,bthk->bthv", G, q_star)
