@@ -64,7 +64,8 @@ class Step:
     def command(self, out: Path, scratch: Path, train_steps: int) -> list[str]:
         py = [sys.executable, "-m"]
         if self.name == "tests":
-            return [*py, "pytest", str(tests_file()), "-q", "-p", "no:cacheprovider"]
+            cuda = tests_file()
+            return [*py, "pytest", str(cuda), str(cuda.with_name("test_fla_paths.py")), "-q", "-s", "-p", "no:cacheprovider"]
         if self.name == "kernels":
             return [*py, "memzoo.bench.benchmarks.bench_kernels"]
         if self.name == "train":
@@ -88,7 +89,8 @@ class Step:
 
 
 STEPS = [
-    Step("tests", 180, "tests/test_cuda.py: kernels compiled vs torch, determinism, bf16 training, generation"),
+    Step("tests", 180, "tests/test_cuda.py: kernels compiled vs torch, determinism, bf16 training, generation; "
+                       "tests/test_fla_paths.py: each op's fla path vs its torch path on the GPU"),
     Step("train", 120, f"a short bf16 training of {TRAIN_CONFIG} on Shakespeare"),
     Step("cost", 150, "the paper preset's cost suite on CUDA (Table 2's configs, GDN, +FwPKM, +PKM first)",
          open_ended=True),

@@ -14,6 +14,8 @@
    and ``InterpreterBuilder.create_dot`` widens only fp8): fla's MesaNet reads its bf16 chunk states with
    such a dot. A bf16 operand is widened to fp32 first (exact: its bits shifted into an fp32's high half).
 
+On a CUDA machine none is needed: the same tests run fla's compiled kernels there (`device()`).
+
 `apply()` installs the four and returns None, or returns why they cannot apply here (fla absent, another
 Triton whose internals differ), for the tests to skip with that reason.
 """
@@ -28,7 +30,16 @@ import os
 TESTED = ("3.7", "3.8", "3.9")
 
 
+def device() -> str:
+    """Where the fla-path tests run: CUDA (fla's kernels compiled, no shims) where present, else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def apply() -> str | None:
+    if device() == "cuda":
+        return None if importlib.util.find_spec("fla") else "flash-linear-attention is not installed"
     if os.environ.get("TRITON_INTERPRET") != "1":
         return "Triton's interpreter is off (TRITON_INTERPRET=1 is set by tests/conftest.py only without CUDA)"
     if importlib.util.find_spec("fla") is None:
