@@ -578,12 +578,35 @@ class TrainingView(nn.Module):
         return MemzooOutput(loss=loss, logits=out.logits, aux_loss=aux)
 
     def memory_state(self, persistent_only: bool = False) -> list[dict | None]:
-        return [None if persistent_only and m.per_sequence else {k: v.clone() for k, v in m.state.items()}
-                for m in memories(self.lm)]
+        return memory_state(self.lm, persistent_only)
 
     def load_memory_state(self, states: list[dict | None]) -> None:
-        for m, st in zip(memories(self.lm), states, strict=True):
-            m.load_state(st) if st is not None else m.reset()
+        load_memory_state(self.lm, states)
+
+
+def memory_state(model, persistent_only: bool = False) -> list[dict | None]:
+    """A copy of every attached memory's fast weights (`HybridLM.memory_state`'s, for an attached model);
+    with `persistent_only`, None for the per-sequence ones: only what outlives a call."""
+    return [None if persistent_only and m.per_sequence else {k: v.clone() for k, v in m.state.items()}
+            for m in memories(model)]
+
+
+def load_memory_state(model, states: list[dict | None]) -> None:
+    """Put back a :func:`memory_state`; None: the memory's initial fast weights."""
+    for m, st in zip(memories(model), states, strict=True):
+        m.load_state(st) if st is not None else m.reset()
+
+
+def saved_model_dir(path) -> str | None:
+    """Where `path` (a `memzoo train --from` out dir, or a `save_pretrained` directory) holds an attached
+    model that :func:`from_pretrained` loads, or None when it holds none."""
+    from pathlib import Path
+
+    for d in (Path(path) / SAVED, Path(path)):
+        cfg = d / "config.json"
+        if cfg.is_file() and json.loads(cfg.read_text()).get(CONFIG_KEY):
+            return str(d)
+    return None
 
 
 def for_training(path: str, specs: list[str], train_base: bool = False) -> TrainingView:

@@ -9,7 +9,9 @@ as flash-linear-attention's evals/harness.py), and lm_eval's own command line wi
 registered. From Python, ``import memzoo.harness`` then ``lm_eval.simple_evaluate(model="memzoo",
 ...)``.) ``pretrained`` is what ``memzoo train`` wrote (its out dir or ``ckpt.pt``), a bench LM dir,
 or a ``save_pretrained`` dir (then give ``tokenizer=``, a memzoo tokenizer name: byte, mistral, or a
-local Hugging Face tokenizer); the tokenizer the model was trained with is used otherwise.
+local Hugging Face tokenizer); the tokenizer the model was trained with is used otherwise. A Hugging Face
+model with memories attached (``memzoo train --from ... --attach ...``'s out dir) loads through
+``memzoo.attach.from_pretrained`` and reads perplexity tasks with lm_eval's own rolling windows.
 
 What differs from a Hugging Face model, and why:
 
@@ -76,8 +78,22 @@ class MemzooTokenizer(PreTrainedTokenizer):
 
 def load(pretrained: str, tokenizer: str | None = None) -> tuple[HybridLM, str, int | None]:
     """(model, tokenizer name, training sequence length or None) from a memzoo run, bench LM or
-    save_pretrained directory."""
+    save_pretrained directory, or a Hugging Face model with memories attached (`memzoo train --from ...
+    --attach ...`'s out dir, or its hf/ directory: the tokenizer its run read the corpus with)."""
+    import json
+    from pathlib import Path
+
+    from memzoo import attach
     from memzoo.inspection import load_model
+
+    if (hf := attach.saved_model_dir(pretrained)) is not None:
+        run = Path(pretrained) / "config.json"
+        train = json.loads(run.read_text()).get("train", {}) if run.is_file() and Path(hf) != Path(pretrained) else {}
+        tok = tokenizer or train.get("tokenizer")
+        if tok is None:
+            raise ValueError(f"{pretrained} holds an attached model but no run config naming its tokenizer; give "
+                             "tokenizer=<memzoo tokenizer name or a tokenizer directory>")
+        return attach.from_pretrained(hf), tok, train.get("seq_len")
 
     try:
         model, tok, seq_len = load_model(pretrained)
@@ -91,7 +107,8 @@ def load(pretrained: str, tokenizer: str | None = None) -> tuple[HybridLM, str, 
 
 @register_model("memzoo")
 class MemzooLM(HFLM):
-    """``lm_eval --model memzoo``: a memzoo HybridLM (see the module docstring)."""
+    """``lm_eval --model memzoo``: a memzoo HybridLM, or a Hugging Face model with memories attached (see the
+    module docstring)."""
 
     def __init__(self, pretrained: str | HybridLM, tokenizer: str | None = None, device: str = "auto",
                  max_length: int | None = None, batch_size: int | str = 1, **kwargs):
@@ -109,10 +126,19 @@ class MemzooLM(HFLM):
             model, tokenizer, seq_len = load(pretrained, tokenizer)
         super().__init__(pretrained=model.to(device).eval(), tokenizer=MemzooTokenizer(tokenizer), backend="causal",
                          max_length=max_length or seq_len or 4096, batch_size=1, **kwargs)
-        self._trained = model.memory_state(persistent_only=True)  # every request starts from these
+        self._trained = self._memory_state()  # every request starts from these
+
+    def _memory_state(self) -> list:
+        from memzoo import attach
+
+        m = self.model
+        return m.memory_state(persistent_only=True) if isinstance(m, HybridLM) else attach.memory_state(m, True)
 
     def _fresh(self) -> None:
-        self.model.load_memory_state(self._trained)
+        from memzoo import attach
+
+        m = self.model
+        m.load_memory_state(self._trained) if isinstance(m, HybridLM) else attach.load_memory_state(m, self._trained)
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         self._fresh()
@@ -129,6 +155,8 @@ class MemzooLM(HFLM):
         every token after the prefix scored once (the PPL suite's carried reading)."""
         from tqdm.auto import tqdm
 
+        if not isinstance(self.model, HybridLM):  # an attached model: lm_eval's rolling windows, each from fresh memories
+            return super().loglikelihood_rolling(requests, disable_tqdm)
         out, L = [], self.max_length
         for req in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="loglikelihood_rolling"):
             (text,) = req.args

@@ -40,6 +40,9 @@ def load_model(path: str | Path) -> tuple[HybridLM, str, int]:
     ckpt = p if p.is_file() else d / "ckpt.pt"
     if ckpt.exists():
         ck = load_tensors(ckpt)
+        if "base" in ck["config"]:  # `memzoo train --from PATH --attach ...`
+            raise ValueError(f"{path} holds memories attached to the Hugging Face model {ck['config']['base']['from']}, "
+                             f"not a memzoo model: load it with memzoo.attach.from_pretrained('{d / 'hf'}')")
         model = HybridLM(ModelConfig.from_dict(ck["config"]["model"]))
         model.load_state_dict(ck["model"])
         return model.eval(), ck["config"]["train"]["tokenizer"], ck["config"]["train"]["seq_len"]

@@ -128,3 +128,23 @@ def test_loading_a_run_its_checkpoint_or_a_save_pretrained_dir(setup, tmp_path):
         harness.load(str(tmp_path / "hf"))
     again, tok, _ = harness.load(str(tmp_path / "hf"), tokenizer="byte")
     assert tok == "byte" and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_an_attached_model_through_the_lm_eval_api(setup, tmp_path, monkeypatch):
+    """`memzoo train --from DIR --attach ...`'s out dir evaluates as `--model memzoo`: the attached model
+    reloaded, the run's tokenizer, each request from the trained fast weights of its shared FwPKM (two
+    evaluations agree)."""
+    from memzoo.cli import main
+    from tests.test_attach import _shrink, _tiny_llama_dir, _train_args
+
+    _shrink(monkeypatch)
+    out = tmp_path / "run"
+    assert main(_train_args(_tiny_llama_dir(tmp_path), out, "--attach", "fwpkm@last:test",
+                            "--attach", "gated_deltanet@0:num_heads=2,head_dim=16")) == 0
+    model, tok, seq_len = harness.load(str(out))
+    assert (tok, seq_len) == ("byte", 32) and model.config.memzoo_attach[0]["layer"] == "fwpkm"
+    _, tm = setup
+    runs = [lm_eval.simple_evaluate(model="memzoo", model_args=f"pretrained={out}", tasks=["memzoo_ppl", "memzoo_mc"],
+                                    task_manager=tm)["results"] for _ in range(2)]
+    assert 1 < runs[0]["memzoo_ppl"]["byte_perplexity,none"] < 1e4
+    assert runs[0]["memzoo_ppl"] == runs[1]["memzoo_ppl"] and runs[0]["memzoo_mc"] == runs[1]["memzoo_mc"]
