@@ -563,19 +563,35 @@ class TrainingView(nn.Module):
             for p in lm.parameters():
                 p.requires_grad_(id(p) in own)
 
-    def forward(self, x: Tensor, targets: Tensor | None = None):
+    def forward(self, x: Tensor, targets: Tensor | None = None, keep_memory: bool = False, use_cache: bool = False,
+                cache=None):
+        """As `HybridLM.forward`: `keep_memory` continues every memory from the state it holds (the last
+        call's, or what `load_memory_state` put back) while the model's own layers start empty; `use_cache`
+        returns the transformers cache (its KV and the memories' states), and `cache` continues from one."""
         from memzoo.backbone.model import MemzooOutput
 
         mems = memories(self.lm)
+        kw: dict = {"use_cache": False}
+        if cache is not None or keep_memory or use_cache:
+            from transformers import DynamicCache
+
+            if cache is None:
+                cache = DynamicCache()
+                if keep_memory:  # the attachments resume from what their memories hold now
+                    setattr(cache, STASH, [{"rows": None, "one": a.snapshot()} for a in attachments(self.lm)])
+            kw = {"past_key_values": cache, "use_cache": True}
         # labels only open the memories' targets (FWL's); the loss is taken here, on the stream's targets
-        out = self.lm(input_ids=x, labels=x if any(m.needs_targets for m in mems) else None, use_cache=False)
+        out = self.lm(input_ids=x, labels=x if any(m.needs_targets for m in mems) else None, **kw)
         parts = [m.aux_loss for m in mems if m.aux_loss is not None]
         aux = torch.stack(parts).sum() if parts else None
         loss = None
         if targets is not None:
             loss = nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
             loss = loss if aux is None else loss + aux
-        return MemzooOutput(loss=loss, logits=out.logits, aux_loss=aux)
+        return MemzooOutput(loss=loss, logits=out.logits, cache=out.past_key_values if use_cache else None, aux_loss=aux)
+
+    def memories(self) -> list[MemoryLayer]:
+        return memories(self.lm)
 
     def memory_state(self, persistent_only: bool = False) -> list[dict | None]:
         return memory_state(self.lm, persistent_only)

@@ -355,3 +355,38 @@ def test_train_attach_arguments_are_checked(tmp_path, capsys):
     assert "--from" in capsys.readouterr().err
     assert main(_train_args(_tiny_llama_dir(tmp_path), tmp_path / "y")) == 2
     assert "--attach" in capsys.readouterr().err
+
+
+def test_training_view_carries_memories_as_hybridlm_does():
+    """TrainingView's keep_memory: two halves of a sequence, the second continuing the first's memories
+    (the model's attention starting empty), give the memory what one call gives it: a per-sequence
+    memory's state after both halves equals its state after the whole; use_cache with cache continues
+    the attention too, so the second half's logits equal the whole's."""
+    from memzoo.attach import TrainingView
+
+    model = attached("llama", "gated_deltanet", dtype=torch.float64)
+    view = TrainingView(model)
+    x = ids(2, 16)
+    whole = view(x, use_cache=True)
+    state = {k: v.clone() for k, v in view.memories()[0].state.items()}
+    view(x[:, :8])
+    view(x[:, 8:], keep_memory=True)
+    for k, v in view.memories()[0].state.items():
+        torch.testing.assert_close(v, state[k], atol=1e-10, rtol=0)
+    first = view(x[:, :8], use_cache=True)
+    second = view(x[:, 8:], cache=first.cache, keep_memory=True)
+    torch.testing.assert_close(second.logits, whole.logits[:, 8:], atol=1e-10, rtol=0)
+    assert view(x[:, 8:]).logits.sub(second.logits).abs().max() > 1e-6  # a fresh call forgets
+
+
+def test_the_ppl_suites_readings_run_on_an_attached_model():
+    """The PPL suite's carried reading and repeated-passage probe take a TrainingView as they take a
+    HybridLM (the measured example's evaluation)."""
+    from memzoo.attach import TrainingView
+    from memzoo.bench.suites.ppl import Settings, eval_corpus, repeat_probe
+
+    view = TrainingView(attached("llama", "fwpkm", dtype=torch.float32)).eval()
+    docs = [ids(1, 40, seed=s)[0] for s in (1, 2)]
+    probe = repeat_probe(view, [d[:17] for d in docs], carry_cache=False, device="cpu")
+    carried = eval_corpus(view, docs, Settings(seq_len=16), "carry", "cpu")
+    assert all(torch.isfinite(torch.tensor(v)) for v in (probe["gain"], carried["loss"]))
