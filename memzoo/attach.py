@@ -627,11 +627,13 @@ def saved_model_dir(path) -> str | None:
 
 def for_training(path: str, specs: list[str], train_base: bool = False) -> TrainingView:
     """The causal LM at `path` (a local directory or a Hub name; `from_pretrained` in fp32), with a memory
-    attached per spec (:func:`parse_spec`), as the training loop takes it."""
+    attached per spec (:func:`parse_spec`), as the training loop takes it. No spec and `train_base`: the
+    model itself, fine-tuned (the plain arm of a comparison; its hf/ loads with transformers alone)."""
     from transformers import AutoModelForCausalLM
 
-    if not specs:
-        raise ValueError("--from needs at least one --attach LAYER[@AT][:OPTIONS]: the memory to train")
+    if not specs and not train_base:
+        raise ValueError("--from needs --attach LAYER[@AT][:OPTIONS] (the memory to train), or --train-base to "
+                         "fine-tune the model itself")
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for spec in specs:
         layer, at, options = parse_spec(spec)

@@ -452,6 +452,7 @@ def add_train_arguments(p) -> None:
                         "AT: all, last, an index or 0,2 (default: the layer's place); OPTIONS: a column of "
                         "zoo_configs/sizes.yaml or key=value,...")
     p.add_argument("--train-base", action="store_true",
-                   help="with --from: train the pretrained weights too (default: only the memories and their gates)")
+                   help="with --from: train the pretrained weights too (default: only the memories and their gates); "
+                        "without --attach: fine-tune the model itself")
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                    help="under torchrun: DDP (a model per process) or FSDP2 (parameters sharded); see memzoo.distributed")

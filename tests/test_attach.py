@@ -390,3 +390,18 @@ def test_the_ppl_suites_readings_run_on_an_attached_model():
     probe = repeat_probe(view, [d[:17] for d in docs], carry_cache=False, device="cpu")
     carried = eval_corpus(view, docs, Settings(seq_len=16), "carry", "cpu")
     assert all(torch.isfinite(torch.tensor(v)) for v in (probe["gain"], carried["loss"]))
+
+
+def test_train_from_a_pretrained_model_without_a_memory_fine_tunes_it(tmp_path, monkeypatch):
+    """`--from DIR --train-base` and no --attach: the model itself trains (the plain arm of a comparison);
+    its hf/ loads with transformers alone and differs from the base."""
+    import transformers as tf
+
+    from memzoo.cli import main
+
+    _shrink(monkeypatch)
+    base = _tiny_llama_dir(tmp_path)
+    assert main(_train_args(base, tmp_path / "run", "--train-base")) == 0
+    got = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "hf")).state_dict()
+    was = tf.AutoModelForCausalLM.from_pretrained(base).state_dict()
+    assert got.keys() == was.keys() and any(not torch.equal(got[k], was[k]) for k in got)
