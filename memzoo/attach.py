@@ -553,13 +553,14 @@ class TrainingView(nn.Module):
     targets)`` returns ``.loss`` (next-token cross-entropy on `targets`, the stream's shifted tokens, plus the
     memories' auxiliary losses) and ``.logits``; ``memory_state`` / ``load_memory_state`` keep the shared
     persistent memories' fast weights across an evaluation. `train_base`: the pretrained weights train
-    too; else only the memories and their gates (the base frozen, as an adapter's)."""
+    too; else only the memories, their gates and the base's LoRA adapters where :func:`add_lora` put some
+    (the base frozen, as an adapter's)."""
 
     def __init__(self, lm: nn.Module, train_base: bool = False):
         super().__init__()
         self.lm = lm
-        if not train_base:
-            own = {id(p) for a in attachments(lm) for p in a.parameters()}
+        if not train_base:  # the memories, their gates and any LoRA adapters (add_lora) train
+            own = {id(p) for a in attachments(lm) for p in a.parameters()} | {id(p) for p in lora_parameters(lm)}
             for p in lm.parameters():
                 p.requires_grad_(id(p) in own)
 
@@ -625,25 +626,78 @@ def saved_model_dir(path) -> str | None:
     return None
 
 
-def for_training(path: str, specs: list[str], train_base: bool = False) -> TrainingView:
+def for_training(path: str, specs: list[str], train_base: bool = False, lora: int | None = None) -> TrainingView:
     """The causal LM at `path` (a local directory or a Hub name; `from_pretrained` in fp32), with a memory
-    attached per spec (:func:`parse_spec`), as the training loop takes it. No spec and `train_base`: the
-    model itself, fine-tuned (the plain arm of a comparison; its hf/ loads with transformers alone)."""
+    attached per spec (:func:`parse_spec`), as the training loop takes it. What trains: the memories
+    (default), everything (`train_base`), or the memories and rank-`lora` adapters on the base's attention
+    (:func:`add_lora`). No spec: the model itself, fine-tuned whole or by LoRA (the plain arm of a
+    comparison; its hf/ loads with transformers alone)."""
     from transformers import AutoModelForCausalLM
 
-    if not specs and not train_base:
-        raise ValueError("--from needs --attach LAYER[@AT][:OPTIONS] (the memory to train), or --train-base to "
-                         "fine-tune the model itself")
+    if train_base and lora:
+        raise ValueError("--train-base trains every weight and --lora only adapters on a frozen base: give one")
+    if not specs and not (train_base or lora):
+        raise ValueError("--from needs --attach LAYER[@AT][:OPTIONS] (the memory to train), or --train-base or "
+                         "--lora RANK to fine-tune the model itself")
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for spec in specs:
         layer, at, options = parse_spec(spec)
         attach(lm, layer, at=at, **options)
+    if lora:
+        add_lora(lm, lora)
     return TrainingView(lm, train_base)
 
 
+def add_lora(lm: nn.Module, rank: int, alpha: float | None = None) -> list[str]:
+    """LoRA (Hu et al. 2021, arXiv 2106.09685: W + (α/r) B A, B zero at the start, so the outputs are
+    unchanged) on the base model's attention projections, through peft: the modules peft targets for the
+    model's architecture (Llama's q_proj and v_proj, GPT-2's c_attn), the memories' own layers excluded.
+    α defaults to 2r. Returns the adapted modules' names."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TARGETS
+    except ImportError as e:
+        raise ImportError("--lora trains through peft: pip install 'memzoo[lora]'") from e
+    if rank < 1:
+        raise ValueError(f"--lora: the rank must be at least 1, got {rank}")
+    kind = text_config(lm).model_type
+    if kind not in TARGETS:
+        raise ValueError(f"--lora: peft names no attention projections for model type {kind!r}")
+    mine = [n for n, m in lm.named_modules() if isinstance(m, Attachment)]
+    names = [n for n, _ in lm.named_modules() if n.rsplit(".", 1)[-1] in TARGETS[kind]
+             and not any(n.startswith(p + ".") for p in mine)]
+    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=0.0, target_modules=names)
+    inject_adapter_in_model(cfg, lm)
+    return names
+
+
+def lora_parameters(lm: nn.Module) -> list[nn.Parameter]:
+    """The LoRA adapters' weights (:func:`add_lora`), none where there are none."""
+    return [p for n, p in lm.named_parameters() if ".lora_" in n]
+
+
+def merged_state_dict(lm: nn.Module) -> dict[str, Tensor]:
+    """The model's state dict with each LoRA adapter merged into its base layer (W + (α/r) B A under the
+    layer's own name), so that the saved model loads without peft."""
+    from peft.tuners.lora import LoraLayer
+
+    sd = lm.state_dict()
+    for name, mod in lm.named_modules():
+        if not isinstance(mod, LoraLayer):
+            continue
+        for k in [k for k in sd if k.startswith(f"{name}.lora_")]:
+            del sd[k]
+        for k, v in mod.get_base_layer().state_dict().items():
+            sd.pop(f"{name}.base_layer.{k}")
+            sd[f"{name}.{k}"] = v
+        delta = sum(mod.get_delta_weight(a) for a in mod.active_adapters)
+        sd[f"{name}.weight"] = (mod.get_base_layer().weight + delta).detach()
+    return sd
+
+
 def save_trained(view: TrainingView, path: str, out) -> None:
-    """Write the attached model to `out` / SAVED with `save_pretrained` (and the base's tokenizer, where
-    `path` has one), so that :func:`from_pretrained` reloads it. Atomic as the run's other files: written
+    """Write the attached model to `out` / SAVED with `save_pretrained` (LoRA adapters merged into their
+    layers; and the base's tokenizer, where `path` has one), so that :func:`from_pretrained` reloads it. Atomic as the run's other files: written
     beside, then renamed over the old copy."""
     import shutil
     from pathlib import Path
@@ -657,7 +711,8 @@ def save_trained(view: TrainingView, path: str, out) -> None:
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # the training's own bar is on screen
     try:
-        view.lm.save_pretrained(new)
+        adapted = bool(lora_parameters(view.lm))
+        view.lm.save_pretrained(new, state_dict=merged_state_dict(view.lm) if adapted else None)
     finally:
         if bars:
             hf_logging.enable_progress_bar()

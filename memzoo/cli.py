@@ -1,5 +1,5 @@
 """The `memzoo` command: its verbs registered by name (`register_command`), as layers are. The core
-registers train, params and inspect; the bench (memzoo.bench.cli, which the installed `memzoo` command
+registers train, params, inspect and generate; the bench (memzoo.bench.cli, which the installed `memzoo` command
 runs) registers bench, leaderboard and verify, so the core imports nothing of the bench.
 
 A user's mistake (a bad config or flag, a missing or unreadable file, an unwritable output, a
@@ -74,6 +74,18 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from memzoo.generation import cmd_generate as generate  # torch and transformers: only when it runs
+
+    return generate(args)
+
+
+def _generate_arguments(g) -> None:
+    from memzoo.generation import arguments
+
+    arguments(g)
+
+
 def cmd_train(args) -> int:
     from memzoo.train import cmd_train as train  # torch: only when it trains
 
@@ -127,6 +139,8 @@ register_command(Command("params", "count parameters on the meta device, beside 
                          cmd_params))
 register_command(Command("inspect", "per memory layer: gate values per token and the retrieval trace of a read",
                          _inspect_arguments, cmd_inspect))
+register_command(Command("generate", "continue a prompt with a trained model (a run, an attached model, a bench LM)",
+                         _generate_arguments, cmd_generate))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -454,5 +454,8 @@ def add_train_arguments(p) -> None:
     p.add_argument("--train-base", action="store_true",
                    help="with --from: train the pretrained weights too (default: only the memories and their gates); "
                         "without --attach: fine-tune the model itself")
+    p.add_argument("--lora", type=int, metavar="RANK",
+                   help="with --from: train LoRA adapters of this rank on the base's attention (peft) beside the "
+                        "memories, the base frozen; saved merged into the weights")
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                    help="under torchrun: DDP (a model per process) or FSDP2 (parameters sharded); see memzoo.distributed")

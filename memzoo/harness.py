@@ -40,6 +40,7 @@ except ImportError as e:  # an extra: the rest of memzoo does not need it
 
 from memzoo.backbone.model import HybridLM
 from memzoo.data import get_tokenizer
+from memzoo.inspection import load_any as load
 
 
 class MemzooTokenizer(PreTrainedTokenizer):
@@ -74,35 +75,6 @@ class MemzooTokenizer(PreTrainedTokenizer):
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple:
         return ()
-
-
-def load(pretrained: str, tokenizer: str | None = None) -> tuple[HybridLM, str, int | None]:
-    """(model, tokenizer name, training sequence length or None) from a memzoo run, bench LM or
-    save_pretrained directory, or a Hugging Face model with memories attached (`memzoo train --from ...
-    --attach ...`'s out dir, or its hf/ directory: the tokenizer its run read the corpus with)."""
-    import json
-    from pathlib import Path
-
-    from memzoo import attach
-    from memzoo.inspection import load_model
-
-    if (hf := attach.saved_model_dir(pretrained)) is not None:
-        run = Path(pretrained) / "config.json"
-        train = json.loads(run.read_text()).get("train", {}) if run.is_file() and Path(hf) != Path(pretrained) else {}
-        tok = tokenizer or train.get("tokenizer")
-        if tok is None:
-            raise ValueError(f"{pretrained} holds an attached model but no run config naming its tokenizer; give "
-                             "tokenizer=<memzoo tokenizer name or a tokenizer directory>")
-        return attach.from_pretrained(hf), tok, train.get("seq_len")
-
-    try:
-        model, tok, seq_len = load_model(pretrained)
-    except FileNotFoundError:  # not a memzoo run or bench LM: a save_pretrained directory
-        if tokenizer is None:
-            raise ValueError(f"{pretrained} is not a memzoo run or bench LM; as a save_pretrained directory it "
-                             "needs its tokenizer, e.g. --model_args pretrained=...,tokenizer=byte") from None
-        return HybridLM.from_pretrained(pretrained), tokenizer, None
-    return model, tokenizer or tok, seq_len
 
 
 @register_model("memzoo")

@@ -49,6 +49,31 @@ def load_model(path: str | Path) -> tuple[HybridLM, str, int]:
     raise FileNotFoundError(f"{path}: neither a `memzoo train` checkpoint (ckpt.pt) nor a bench LM (lm.json + model.pt)")
 
 
+def load_any(pretrained: str, tokenizer: str | None = None) -> tuple[torch.nn.Module, str, int | None]:
+    """(model, tokenizer name, training sequence length or None) from a memzoo run, bench LM or
+    save_pretrained directory, or a Hugging Face model with memories attached (`memzoo train --from ...
+    --attach ...`'s out dir, or its hf/ directory: the tokenizer its run read the corpus with)."""
+    from memzoo import attach
+
+    if (hf := attach.saved_model_dir(pretrained)) is not None:
+        run = Path(pretrained) / "config.json"
+        train = json.loads(run.read_text()).get("train", {}) if run.is_file() and Path(hf) != Path(pretrained) else {}
+        tok = tokenizer or train.get("tokenizer")
+        if tok is None:
+            raise ValueError(f"{pretrained} holds an attached model but no run config naming its tokenizer; give "
+                             "its tokenizer (a memzoo tokenizer name or a tokenizer directory)")
+        return attach.from_pretrained(hf), tok, train.get("seq_len")
+
+    try:
+        model, tok, seq_len = load_model(pretrained)
+    except FileNotFoundError:  # not a memzoo run or bench LM: a save_pretrained directory
+        if tokenizer is None:
+            raise ValueError(f"{pretrained} is not a memzoo run or bench LM; as a save_pretrained directory it "
+                             "needs its tokenizer (a memzoo tokenizer name: byte, mistral, or a tokenizer directory)") from None
+        return HybridLM.from_pretrained(pretrained), tokenizer, None
+    return model, tokenizer or tok, seq_len
+
+
 def _show(tok, ids: list[int], i: int, width: int = 12) -> str:
     """Token i with `width` tokens of context on each side: '…before[TOKEN]after…'."""
     lo, hi = max(0, i - width), min(len(ids), i + width + 1)

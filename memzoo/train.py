@@ -352,7 +352,7 @@ def train(
     the processes share the model (:mod:`memzoo.distributed`).
 
     `base`: train memories attached to a Hugging Face causal LM instead of a HybridLM, as
-    ``{"from": PATH, "attach": [SPEC, ...], "train_base": bool}`` (:func:`memzoo.attach.for_training`; the
+    ``{"from": PATH, "attach": [SPEC, ...], "train_base": bool, "lora": rank}`` (:func:`memzoo.attach.for_training`; the
     config's `model` section is not used, its `train` section is). Each checkpoint also writes the model
     to ``out/hf`` (`save_pretrained`), which ``memzoo.attach.from_pretrained`` reloads."""
     tc = rc.train
@@ -378,7 +378,7 @@ def train(
     else:
         from memzoo.attach import for_training
 
-        model = for_training(base["from"], base["attach"], base.get("train_base", False)).to(device)
+        model = for_training(base["from"], base["attach"], base.get("train_base", False), base.get("lora")).to(device)
         what = f"{base['from']} + {', '.join(base['attach'])}"
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
@@ -486,8 +486,8 @@ def _base_of(args, rc: RunConfig) -> dict | None:
     """`--from PATH --attach SPEC...`: the pretrained host of the memories (`train`'s `base`). Its text is
     tokenized by its own tokenizer where PATH holds one (else the config's, which must fit its vocabulary)."""
     if not args.from_:
-        if args.attach or args.train_base:
-            raise ConfigError("--attach and --train-base train memories in a pretrained model: give it with --from PATH")
+        if args.attach or args.train_base or args.lora:
+            raise ConfigError("--attach, --train-base and --lora train a pretrained model: give it with --from PATH")
         return None
     from transformers import AutoConfig
 
@@ -496,7 +496,8 @@ def _base_of(args, rc: RunConfig) -> dict | None:
         rc.train.tokenizer = str(path)
     cfg = AutoConfig.from_pretrained(args.from_)
     rc.model.vocab_size = getattr(cfg.get_text_config(), "vocab_size", rc.model.vocab_size)  # prepare_data checks it
-    return {"from": args.from_, "attach": list(args.attach or []), "train_base": bool(args.train_base)}
+    base = {"from": args.from_, "attach": list(args.attach or []), "train_base": bool(args.train_base)}
+    return base | ({"lora": args.lora} if args.lora else {})  # runs without LoRA keep the config they had
 
 
 def cmd_train(args) -> int:

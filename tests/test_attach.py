@@ -405,3 +405,63 @@ def test_train_from_a_pretrained_model_without_a_memory_fine_tunes_it(tmp_path, 
     got = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "hf")).state_dict()
     was = tf.AutoModelForCausalLM.from_pretrained(base).state_dict()
     assert got.keys() == was.keys() and any(not torch.equal(got[k], was[k]) for k in got)
+
+
+def test_lora_trains_adapters_beside_the_memory_and_saves_them_merged(tmp_path, monkeypatch):
+    """`--lora R`: peft's adapters on the base's attention projections (not on the memory's own q/v
+    projections) train with the memory, the base's weights frozen; out/hf holds the adapters merged, so
+    the reloaded model (transformers and memzoo, no peft) gives the trained model's logits; the base's
+    weights outside the adapted projections are unchanged."""
+    import transformers as tf
+
+    from memzoo.attach import for_training, lora_parameters
+    from memzoo.cli import main
+    from memzoo.storage import load_tensors
+
+    base = _tiny_llama_dir(tmp_path)
+    view = for_training(base, ["gated_deltanet@1:num_heads=2,head_dim=16"], lora=4)
+    trains = {n for n, p in view.named_parameters() if p.requires_grad}
+    assert trains and all(".memzoo." in n or ".lora_" in n for n in trains)
+    lora = {n for n in trains if ".lora_" in n}
+    assert lora and all(".self_attn." in n and ".memzoo." not in n for n in lora), lora  # not the memory's q_proj
+    assert {n.split(".self_attn.")[1].split(".")[0] for n in lora} == {"q_proj", "v_proj"}
+    assert len(lora_parameters(view.lm)) == len(lora)
+
+    _shrink(monkeypatch)
+    out = tmp_path / "run"
+    assert main(_train_args(base, out, "--attach", "gated_deltanet@1:num_heads=2,head_dim=16", "--lora", "4")) == 0
+    trained = for_training(base, ["gated_deltanet@1:num_heads=2,head_dim=16"], lora=4)
+    trained.load_state_dict(load_tensors(out / "ckpt.pt")["model"])
+    assert any(v.abs().sum() > 0 for n, v in trained.named_parameters() if ".lora_B" in n)  # the adapters moved
+    x = ids(2, 16)
+    reloaded = from_pretrained(str(out / "hf")).eval()
+    torch.testing.assert_close(reloaded(x).logits, trained.eval()(x).logits, atol=1e-5, rtol=0)
+    was = tf.AutoModelForCausalLM.from_pretrained(base).state_dict()
+    got = reloaded.state_dict()
+    changed = {k for k in was if not torch.equal(got[k], was[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed
+    assert main(_train_args(base, tmp_path / "z", "--train-base", "--lora", "4")) == 2  # one or the other
+
+
+def test_memzoo_generate_continues_a_prompt_from_an_attached_run(tmp_path, monkeypatch, capsys):
+    """`memzoo generate RUN --prompt ...` loads an attached run (its out dir: the run's tokenizer) and prints
+    the greedy continuation: the tokens of generate() decoded, as many as asked, the same on a rerun."""
+    from memzoo.cli import main
+    from memzoo.data import get_tokenizer
+    from memzoo.generation import generate_text
+    from memzoo.inspection import load_any
+
+    _shrink(monkeypatch)
+    base, out = _tiny_llama_dir(tmp_path), tmp_path / "run"
+    assert main(_train_args(base, out, "--attach", "fwpkm@last:test")) == 0
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "To be, or not", "--max-new-tokens", "5"]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    model, tok, _ = load_any(str(out))
+    assert tok == "byte"
+    prompt = torch.tensor([get_tokenizer("byte").encode("To be, or not")])
+    want = model.eval().generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
+    assert printed == get_tokenizer("byte").decode(want.tolist())
+    assert generate_text(model, tok, "To be, or not", 5, temperature=1.0, seed=3) == \
+        generate_text(model, tok, "To be, or not", 5, temperature=1.0, seed=3)  # seeded sampling repeats
+    assert main(["generate", str(out), "--prompt", "x", "--max-new-tokens", "0"]) == 2
