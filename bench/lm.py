@@ -27,6 +27,14 @@ ended in the previous batch (:class:`memzoo.data.DocumentStream`), as the paper 
 the fast weights a step starts from hold the preceding text of the same documents. The other
 LMs read random windows: they carry nothing from one step to the next.
 
+`ppl.host` (the attach preset): the LMs are not memzoo's backbone but a Hugging Face causal LM, the
+model a user already has (:mod:`memzoo.attach`). The host (random-init from `host.config`, e.g. a
+Llama) is pretrained `host.steps` steps on the recipe below, once per seed; then every LM trains the
+preset's `train.steps` further, everything trainable: the baseline is the host itself, a layer's LM
+the host with that layer attached where the preset places it (`layers:`, its options), so that each
+memory is compared with the same model trained equally long without one. The positive control is the
+baseline's LM reading with its KV cache carried (the ppl suite's probe).
+
 A trained LM is cached under ``<work_dir>/lm/<layer>-<hash>/`` (the hash covers the model,
 the training settings, the mixture and the seed), so the suites of one run, and later runs
 with the same settings, train it once. Its files (model.pt, lm.json) are written atomically,
@@ -43,7 +51,7 @@ from pathlib import Path
 import torch
 
 from memzoo.backbone.model import HybridLM
-from memzoo.bench.common import Context, config_hash, lm_train_config, model_config
+from memzoo.bench.common import BASELINE, Context, config_hash, lm_train_config, model_config
 from memzoo.bench.registry import get_suite
 from memzoo.config import RunConfig
 from memzoo.storage import load_tensors, torch_save, write_text
@@ -81,11 +89,19 @@ def persistent(rc: RunConfig) -> bool:
         return any(not m.per_sequence and len(m.state) > 0 for m in HybridLM(rc.model).memories())
 
 
+def host(ctx: Context, suite: str) -> dict:
+    """`ppl.host` of the ppl suite's LMs ({} where they are memzoo's backbone)."""
+    return _settings(ctx, "ppl").host if suite == "ppl" else {}
+
+
 def models(ctx: Context, layer: str, suite: str = "ppl") -> list[str]:
     """The LMs `suite` evaluates for `layer`: the layer's, the niah suite's variants of it
-    (`niah.variants`), and with the baseline the controls' where the niah suite's `controls` is on."""
-    from memzoo.bench.common import BASELINE, CONTROLS
+    (`niah.variants`), and with the baseline the controls' where the niah suite's `controls` is on
+    (with a host: the positive control, the host reading with its KV cache)."""
+    from memzoo.bench.common import BASELINE, CONTROLS, POSITIVE
 
+    if host(ctx, suite):
+        return [layer, *((POSITIVE,) if layer == BASELINE else ())]
     s = _niah(ctx)
     variants = sorted(n for n, v in s.variants.items() if v["layer"] == layer) if suite == "niah" else []
     controls = layer == BASELINE and s.controls
@@ -109,6 +125,15 @@ def lm_config(ctx: Context, layer: str, suite: str = "ppl") -> tuple[RunConfig, 
     mix = _mixture(ctx, suite)
     own = _niah(ctx).lm if suite == "niah" else {}
     tc = lm_train_config(ctx.preset, seed=ctx.seed, device=ctx.device, **own)
+    if h := host(ctx, suite):
+        from memzoo.bench.common import POSITIVE
+
+        name = BASELINE if layer == POSITIVE else layer  # the control is the baseline's LM, read with its cache
+        rc = RunConfig(model_config(ctx.preset, BASELINE), tc)  # the corpus's vocabulary; the host is the model
+        mix = {**mix, "host": h, "attach": attach_specs(ctx, name)}
+        key = config_hash({**identity(rc, mix), "held_out": HELD_OUT_TITLES, "version": 1})
+        rc.train.out_dir = str(Path(ctx.work_dir) / "lm" / f"host-{name.replace('/', '-')}-{key}")
+        return rc, mix, key
     variant = _niah(ctx).variants.get(layer) if suite == "niah" else None
     rc = RunConfig(model_config(ctx.preset, layer, variant, **backbone(ctx, suite)), tc)
     if suite == "ppl" and _settings(ctx, "ppl").document_order and persistent(rc):
@@ -116,6 +141,31 @@ def lm_config(ctx: Context, layer: str, suite: str = "ppl") -> tuple[RunConfig, 
     key = config_hash({**rc.to_dict(), **mix, "held_out": HELD_OUT_TITLES, "version": 1})
     rc.train.out_dir = str(Path(ctx.work_dir) / "lm" / f"{layer.replace('/', '-')}-{key}")
     return rc, mix, key
+
+
+def attach_specs(ctx: Context, layer: str) -> list[str]:
+    """`layer` as `memzoo train --attach` specs: where the preset places it, with its options (none for
+    the baseline)."""
+    from memzoo.bench.common import LayerSpec
+    from memzoo.config import ConfigError
+
+    if layer == BASELINE:
+        return []
+    spec = ctx.preset.layers.get(layer, LayerSpec())
+    bad = sorted(k for k, v in spec.options.items() if isinstance(v, (list, dict)) or (isinstance(v, str) and "," in v))
+    if bad:
+        raise ConfigError(f"ppl.host: {layer}'s options {bad} are not scalars, which an --attach spec cannot carry")
+    opts = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(spec.options.items()))
+    return [f"{layer}{'@' + spec.at if spec.at else ''}{':' + opts if opts else ''}"]
+
+
+def identity(rc: RunConfig, mix: dict) -> dict:
+    """What an LM is, as its rows record it (`lm` in their config): its run config and its mixture; with a
+    host, the host and the attached specs in place of the backbone's model section."""
+    d = rc.to_dict()
+    if "host" in mix:
+        d.pop("model")
+    return {**d, **mix}
 
 
 def recorded(ctx: Context, suite: str, layer: str, settings: list[dict], own: dict) -> list[dict] | None:
@@ -126,7 +176,7 @@ def recorded(ctx: Context, suite: str, layer: str, settings: list[dict], own: di
     if not ctx.resume:
         return None
     rc, mix, _ = lm_config(ctx, layer, suite)
-    config = {"lm": {**rc.to_dict(), **mix}, **own}
+    config = {"lm": identity(rc, mix), **own}
     rows = [ctx.recorded(suite, layer, setting, config) for setting in settings]
     return rows if all(rows) else None
 
@@ -137,10 +187,55 @@ def untrained_steps(ctx: Context, layer: str, suites: list[str]) -> int:
     steps = {}
     for suite in suites:
         for name in models(ctx, layer, suite):
-            rc, _, _ = lm_config(ctx, name, suite)
+            rc, mix, _ = lm_config(ctx, name, suite)
             done = str(rc.train.out_dir) in _loaded or (Path(rc.train.out_dir) / "lm.json").exists()
             steps[str(rc.train.out_dir)] = 0 if done else rc.train.steps
+            if "host" in mix and not done:  # its pretraining, once for every LM of the seed
+                pre = _host_dir(ctx, rc, mix["host"])
+                steps[str(pre)] = 0 if (pre / "lm.json").exists() else mix["host"]["steps"]
     return sum(steps.values())
+
+
+def _host_dir(ctx: Context, rc: RunConfig, h: dict) -> Path:
+    """Where the seed's pretrained host is cached (its recipe's hash)."""
+    tc = {k: v for k, v in rc.train.to_dict().items() if k not in ("out_dir", "steps")}
+    return Path(ctx.work_dir) / "lm" / f"host-{config_hash({'host': h, 'train': tc, 'version': 1})}"
+
+
+class _Later:
+    """A training stream `offset` steps on: the arms train on the batches after the host's pretraining."""
+
+    def __init__(self, stream, offset: int):
+        self.stream, self.offset = stream, offset
+
+    def batch(self, step: int, batch_size: int):
+        return self.stream.batch(step + self.offset, batch_size)
+
+
+def _pretrained_host(ctx: Context, rc: RunConfig, h: dict, data, progress) -> str:
+    """The seed's host (`ppl.host`), random-init from its config and pretrained `h["steps"]` steps on the
+    recipe, trained on first use and cached: its `save_pretrained` directory. The seed's LMs train in
+    parallel workers: a lock lets one pretrain while the others wait for it."""
+    import fcntl
+
+    import transformers as tf
+
+    from memzoo.train import train
+
+    out = _host_dir(ctx, rc, h)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "lm.json").exists():
+            torch.manual_seed(ctx.seed)
+            cfg = tf.AutoConfig.for_model(**h["config"], vocab_size=rc.model.vocab_size)
+            tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(out / "init")
+            pre = RunConfig(rc.model, type(rc.train).from_dict({**rc.train.to_dict(), "steps": h["steps"], "out_dir": str(out)}))
+            result = train(pre, data=data, progress=False, overwrite=True, on_step=progress("host"),
+                           base={"from": str(out / "init"), "attach": [], "train_base": True})
+            (out / "ckpt.pt").unlink(missing_ok=True)
+            write_text(out / "lm.json", json.dumps({"val_loss": result["val_loss"], "steps": result["step"]}, indent=1))
+    return str(out / "hf")
 
 
 def _cached(out: Path, rc, device: str) -> HybridLM | None:
@@ -151,8 +246,17 @@ def _cached(out: Path, rc, device: str) -> HybridLM | None:
 
     try:
         info = json.loads((out / "lm.json").read_text())
-        model = HybridLM(rc.model).to(device)
-        model.load_state_dict(load_tensors(out / "model.pt", map_location=device))
+        if (out / "hf").is_dir():  # a host's LM (ppl.host): with its memory attached, or the host alone
+            import transformers as tf
+
+            from memzoo.attach import TrainingView, from_pretrained, saved_model_dir
+
+            hf = str(out / "hf")
+            model = TrainingView(from_pretrained(hf) if saved_model_dir(hf) else tf.AutoModelForCausalLM.from_pretrained(hf))
+            model = model.to(device)
+        else:
+            model = HybridLM(rc.model).to(device)
+            model.load_state_dict(load_tensors(out / "model.pt", map_location=device))
         if not isinstance(info, dict):
             raise ValueError("lm.json is not a mapping")
         return model
@@ -186,8 +290,16 @@ def shared_lm(ctx: Context, layer: str, suite: str = "ppl") -> tuple[HybridLM, d
         t0 = time.time()
         data = prepare_data(rc, leave_out=HELD_OUT_TITLES, needle_mix=mix["train_mix"], answer_weight=mix.get("answer_weight", 1.0),
                             repeat_mix=mix.get("repeat_mix", 0.0), document_order=mix.get("document_order", False))
-        doing = lambda r: f"lm {layer} step {r['step']}/{rc.train.steps} loss {r['loss']:.3f}"  # noqa: E731
-        result = train(rc, data=data, progress=False, overwrite=True, on_step=lambda r: ctx.advance(1, doing(r)))
+
+        def progress(what):
+            return lambda r: ctx.advance(1, f"lm {what} step {r['step']} loss {r['loss']:.3f}")
+
+        base = None
+        if "host" in mix:  # the seed's pretrained host, then this LM's further training on the batches after it
+            base = {"from": _pretrained_host(ctx, rc, mix["host"], data, progress), "attach": mix["attach"], "train_base": True}
+            data = (_Later(data[0], mix["host"]["steps"]), *data[1:])
+        result = train(rc, data=data, progress=False, overwrite=True, on_step=progress(f"{layer} of {rc.train.steps}"),
+                       base=base)
         model = result["model"]
         info = {
             "train_loss": result["train_loss"],
@@ -198,9 +310,10 @@ def shared_lm(ctx: Context, layer: str, suite: str = "ppl") -> tuple[HybridLM, d
             "params": sum(p.numel() for p in model.parameters()),
             "tokens": result["step"] * rc.train.batch_size * rc.train.grad_accum * rc.train.seq_len,
             **mix,
-            "config": {**rc.to_dict(), **mix},
+            "config": identity(rc, mix),
         }
-        torch_save(model.state_dict(), out / "model.pt")
+        if base is None:  # a host's LM is in out/hf (save_pretrained)
+            torch_save(model.state_dict(), out / "model.pt")
         (out / "ckpt.pt").unlink(missing_ok=True)  # the optimizer state is not needed again
         write_text(done, json.dumps(info, indent=1))
     model.eval()

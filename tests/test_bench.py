@@ -54,7 +54,7 @@ def test_unknown_names_are_one_clear_error(capsys):
     assert main(["bench", "--layers", "fwpkm", "--suite", "ppl,speed"]) == 2
     assert "unknown suite(s) 'speed'; valid suites: cost, pairs, toys, ppl, niah" in capsys.readouterr().err
     assert main(["bench", "--preset", "huge"]) == 2
-    assert ("shipped presets: capacity, gpu, paper, recall, recall-10x, recall-10x-seeds, recall-gpu, recall-state, "
+    assert ("shipped presets: attach, capacity, gpu, paper, recall, recall-10x, recall-10x-seeds, recall-gpu, recall-state, "
             "recall-state-10x, standard, tiny"
             in capsys.readouterr().err)
 
@@ -954,3 +954,59 @@ def test_the_jobs_timed_alone_have_a_bar_of_their_own(tmp_path, capsys):
     assert bench and bench[-1][0] == bench[-1][1] and len({t for _, t in bench}) == 1  # ends full: none of the cost's
     assert not [ln for ln in lines if ln.startswith("bench:") and "cost" in ln]
     assert [ln for ln in lines if ln.startswith("timed alone:") and "cost linear]" in ln]  # one runs: no "1: ... | 2: "
+
+
+def test_ppl_with_a_host_compares_a_memory_attached_to_a_pretrained_model(tmp_path):
+    """`ppl.host` (the attach preset): the seed's Llama is pretrained once, then the baseline (the Llama
+    alone) and fwpkm (the Llama with FwPKM attached) each train the preset's steps further on the batches
+    after the pretraining; the positive control reads the baseline's LM with its KV cache carried. The
+    baseline carries nothing (gains 0), the control's cache changes the second reading, the LMs are
+    cached (a second run trains nothing), and the rows record the host and the attached spec."""
+    import transformers as tf
+
+    from memzoo.attach import TrainingView, memories
+    from memzoo.bench import lm
+    from memzoo.bench.common import POSITIVE
+    from memzoo.bench.suites import ppl
+
+    host = {"steps": 2, "config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                   "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}}
+    preset = {**MICRO, "ppl": {**MICRO["ppl"], "host": host}}
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    ctx = Context(load_preset(path), 0, Recorder(tmp_path, "host", 0), tmp_path / "work", progress=False)
+    assert lm.models(ctx, BASELINE) == [BASELINE, POSITIVE] and lm.models(ctx, "fwpkm") == ["fwpkm"]
+    assert lm.untrained_steps(ctx, "fwpkm", ["ppl"]) == 3 + 2  # its training and the host's pretraining
+    rows = ppl.run(ctx, [BASELINE, "fwpkm"])
+    got = {(r["layer"], r["setting"]["corpus"], r["setting"]["mode"]): r for r in rows}
+    assert {k[0] for k in got} == {BASELINE, POSITIVE, "fwpkm"}
+    base, mem = got[(BASELINE, "sonnets", "carry")], got[("fwpkm", "sonnets", "carry")]
+    assert base["metrics"]["gain"] == 0 and mem["metrics"]["gain"] != 0
+    assert base["config"]["lm"]["host"] == host and "model" not in base["config"]["lm"]
+    assert base["config"]["lm"]["attach"] == [] and mem["config"]["lm"]["attach"] == [
+        "fwpkm@1:chunk_size=16,key_dim=16,n_subkeys=8,topk=2,value_dim=16"]
+    probe = got[(POSITIVE, "repeat", "carry")]["metrics"]
+    assert got[(BASELINE, "repeat", "carry")]["metrics"]["gain"] == 0 and probe["gain"] != 0
+    model, info = lm.shared_lm(ctx, "fwpkm")
+    assert isinstance(model, TrainingView) and [m.name for m in memories(model.lm)] == ["fwpkm"]
+    assert info["steps"] == 3 and lm.untrained_steps(ctx, "fwpkm", ["ppl"]) == 0
+    # the arms start from one pretrained host: the baseline's weights moved on from it, and so did fwpkm's base
+    rc, mix, _ = lm.lm_config(ctx, BASELINE)
+    pre = tf.AutoModelForCausalLM.from_pretrained(str(lm._host_dir(ctx, rc, mix["host"]) / "hf"))
+    plain, _ = lm.shared_lm(ctx, BASELINE)
+    w = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(plain.lm.state_dict()[w], pre.state_dict()[w])
+    assert not torch.equal(model.lm.state_dict()[w], plain.lm.state_dict()[w])
+    lm._loaded.clear()  # a later process: the LMs load from their cache
+    again, _ = lm.shared_lm(ctx, "fwpkm")
+    x = torch.randint(0, 257, (1, 24))
+    torch.testing.assert_close(again(x).logits, model(x).logits, atol=1e-6, rtol=0)
+    with pytest.raises(ConfigError, match="ppl.host"):
+        ppl.Settings(host={"steps": 2})
+    # the overview's PPL columns stay memzoo's backbone's: a section of host LMs gives them no cell
+    import pandas as pd
+
+    sec = type("Sec", (), {"rows": rows})()
+    assert ppl_report.on_the_backbone(sec, pd.DataFrame(index=["fwpkm"])) == []
+    sec.rows = [{**r, "config": {"lm": {"model": {}}}} for r in rows]
+    assert ppl_report.on_the_backbone(sec, pd.DataFrame(index=["fwpkm"])) == ["fwpkm"]

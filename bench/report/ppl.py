@@ -289,10 +289,17 @@ def _carried_gain(sec, t, layer) -> str:
     return "" if col is None else f"{t.loc[layer, col]} ({col[:-len(' gain')]}, {sec.preset})"
 
 
-_WHY = "the most trainings behind each number, then a published preset, then the latest"
+def on_the_backbone(sec, t) -> list:
+    """The layers a section gives the overview: its table's, where its LMs are memzoo's backbone; none where
+    they are a Hugging Face host with the memory attached (the attach preset: another model, its own section)."""
+    return [] if any("host" in ((r.get("config") or {}).get("lm") or {}) for r in sec.rows) else list(t.index)
+
+
+_WHY = ("the most trainings behind each number, then a published preset, then the latest (LMs of memzoo's "
+        "backbone: the attach preset's host LMs have their own section)")
 HEADLINES = (
     Headline(column="PPL: carried-state gain (nats)", table="loss", value="seeds", rank=("seeds", "not tiny", "time"),
-             text=_carried_gain, why=_WHY),
+             text=_carried_gain, why=_WHY, layers=on_the_backbone),
     Headline(column="PPL: re-reading gain (nats)", table="probe", value="gain", rank=("seeds", "not tiny", "time"),
-             text=lambda sec, t, layer: f"{t.loc[layer, 'gain']} ({sec.preset})", why=_WHY),
+             text=lambda sec, t, layer: f"{t.loc[layer, 'gain']} ({sec.preset})", why=_WHY, layers=on_the_backbone),
 )

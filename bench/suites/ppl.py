@@ -37,6 +37,11 @@ the standard preset's mixers are 4-token sliding windows, 12 tokens of reach ove
 each sequence's backbone starts empty, and within it reaches a few tokens back, so a carried gain
 and the probe's gain come through the memory alone. The measurements: docs/journal/ppl.md.
 
+A memory in a model a user already has (``host``, the attach preset): the LMs are a Hugging
+Face causal LM pretrained once per seed, then trained further alone (the baseline) or with one
+memory attached (:mod:`memzoo.attach`), equally long; the positive control is the host reading
+with its KV cache carried (:mod:`memzoo.bench.lm`).
+
 The repeated-passage probe (setting ``{"corpus": "repeat", "mode": "carry"}``): ``passages``
 held-out passages of ``passage_len`` tokens (the sonnets, unseen in training), each read
 twice, the second reading in a new sequence with the carried state of the first: the memory
@@ -101,6 +106,9 @@ class Settings:
     repeat_mix: float = 0.0  # fraction of the LMs' training windows that read a passage twice (memzoo.data.RepeatMix)
     document_order: bool = False  # LMs with persistent fast weights train on documents in order (memzoo.data.DocumentStream)
     model: dict = field(default_factory=dict)  # the LMs' backbone: the preset's model: section with these changes
+    # the LMs are a Hugging Face causal LM with the memory attached (memzoo.bench.lm): {config: {model_type: llama,
+    # <its config's fields>}, steps: <its pretraining steps>}; {}: memzoo's backbone
+    host: dict = field(default_factory=dict)
 
     def __post_init__(self):
         from memzoo.config import ConfigError
@@ -113,6 +121,12 @@ class Settings:
         if not 0.0 <= self.repeat_mix <= 1.0:
             raise ConfigError(f"ppl.repeat_mix must be in [0, 1], got {self.repeat_mix}")
         check_backbone(self.model, "ppl.model")
+        if self.host:
+            if set(self.host) != {"config", "steps"} or not isinstance(self.host["config"], dict) \
+                    or "model_type" not in self.host["config"] or not isinstance(self.host["steps"], int) or self.host["steps"] < 1:
+                raise ConfigError(f"ppl.host must be {{config: {{model_type: ..., <its fields>}}, steps: N >= 1}}, got {self.host!r}")
+            if self.model or self.document_order:
+                raise ConfigError("ppl.host: the LMs are the host, so ppl.model and ppl.document_order do not apply")
 
 
 POSITIONS = PPL_POSITIONS  # bucket edges of the loss by position in a document
