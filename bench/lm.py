@@ -191,15 +191,17 @@ def untrained_steps(ctx: Context, layer: str, suites: list[str]) -> int:
             done = str(rc.train.out_dir) in _loaded or (Path(rc.train.out_dir) / "lm.json").exists()
             steps[str(rc.train.out_dir)] = 0 if done else rc.train.steps
             if "host" in mix and not done:  # its pretraining, once for every LM of the seed
-                pre = _host_dir(ctx, rc, mix["host"])
+                pre = _host_dir(ctx, rc, mix)
                 steps[str(pre)] = 0 if (pre / "lm.json").exists() else mix["host"]["steps"]
     return sum(steps.values())
 
 
-def _host_dir(ctx: Context, rc: RunConfig, h: dict) -> Path:
-    """Where the seed's pretrained host is cached (its recipe's hash)."""
+def _host_dir(ctx: Context, rc: RunConfig, mix: dict) -> Path:
+    """Where the seed's pretrained host is cached: the hash of its recipe (the host, the training settings
+    but its steps and out dir, the data mixture), which every LM of the seed shares."""
     tc = {k: v for k, v in rc.train.to_dict().items() if k not in ("out_dir", "steps")}
-    return Path(ctx.work_dir) / "lm" / f"host-{config_hash({'host': h, 'train': tc, 'version': 1})}"
+    data = {k: v for k, v in mix.items() if k != "attach"}
+    return Path(ctx.work_dir) / "lm" / f"host-{config_hash({'train': tc, **data, 'version': 1})}"
 
 
 class _Later:
@@ -212,17 +214,18 @@ class _Later:
         return self.stream.batch(step + self.offset, batch_size)
 
 
-def _pretrained_host(ctx: Context, rc: RunConfig, h: dict, data, progress) -> str:
+def _pretrained_host(ctx: Context, rc: RunConfig, mix: dict, data, progress) -> str:
     """The seed's host (`ppl.host`), random-init from its config and pretrained `h["steps"]` steps on the
-    recipe, trained on first use and cached: its `save_pretrained` directory. The seed's LMs train in
-    parallel workers: a lock lets one pretrain while the others wait for it."""
+    recipe and `data` (the mixture `mix` names), trained on first use and cached: its `save_pretrained`
+    directory. The seed's LMs train in parallel workers: a lock lets one pretrain while the others wait."""
     import fcntl
 
     import transformers as tf
 
     from memzoo.train import train
 
-    out = _host_dir(ctx, rc, h)
+    h = mix["host"]
+    out = _host_dir(ctx, rc, mix)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -296,9 +299,9 @@ def shared_lm(ctx: Context, layer: str, suite: str = "ppl") -> tuple[HybridLM, d
 
         base = None
         if "host" in mix:  # the seed's pretrained host, then this LM's further training on the batches after it
-            base = {"from": _pretrained_host(ctx, rc, mix["host"], data, progress), "attach": mix["attach"], "train_base": True}
+            base = {"from": _pretrained_host(ctx, rc, mix, data, progress), "attach": mix["attach"], "train_base": True}
             data = (_Later(data[0], mix["host"]["steps"]), *data[1:])
-        result = train(rc, data=data, progress=False, overwrite=True, on_step=progress(f"{layer} of {rc.train.steps}"),
+        result = train(rc, data=data, progress=False, overwrite=True, on_step=progress(layer),
                        base=base)
         model = result["model"]
         info = {

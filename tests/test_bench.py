@@ -992,7 +992,10 @@ def test_ppl_with_a_host_compares_a_memory_attached_to_a_pretrained_model(tmp_pa
     assert info["steps"] == 3 and lm.untrained_steps(ctx, "fwpkm", ["ppl"]) == 0
     # the arms start from one pretrained host: the baseline's weights moved on from it, and so did fwpkm's base
     rc, mix, _ = lm.lm_config(ctx, BASELINE)
-    pre = tf.AutoModelForCausalLM.from_pretrained(str(lm._host_dir(ctx, rc, mix["host"]) / "hf"))
+    pre = tf.AutoModelForCausalLM.from_pretrained(str(lm._host_dir(ctx, rc, mix) / "hf"))
+    # the host's cache is keyed on its data too: another mixture is another host
+    assert lm._host_dir(ctx, rc, {**mix, "repeat_mix": 0.5}) != lm._host_dir(ctx, rc, mix)
+    assert lm._host_dir(ctx, rc, {**mix, "attach": ["x"]}) == lm._host_dir(ctx, rc, mix)  # every arm shares it
     plain, _ = lm.shared_lm(ctx, BASELINE)
     w = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(plain.lm.state_dict()[w], pre.state_dict()[w])
