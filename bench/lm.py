@@ -100,8 +100,8 @@ def models(ctx: Context, layer: str, suite: str = "ppl") -> list[str]:
     (with a host: the positive control, the host reading with its KV cache)."""
     from memzoo.bench.common import BASELINE, CONTROLS, POSITIVE
 
-    if host(ctx, suite):
-        return [layer, *((POSITIVE,) if layer == BASELINE else ())]
+    if host(ctx, suite):  # the positive control reads the probe, where there is one
+        return [layer, *((POSITIVE,) if layer == BASELINE and _settings(ctx, "ppl").passages else ())]
     s = _niah(ctx)
     variants = sorted(n for n, v in s.variants.items() if v["layer"] == layer) if suite == "niah" else []
     controls = layer == BASELINE and s.controls

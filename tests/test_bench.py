@@ -976,6 +976,9 @@ def test_ppl_with_a_host_compares_a_memory_attached_to_a_pretrained_model(tmp_pa
     path.write_text(yaml.safe_dump(preset))
     ctx = Context(load_preset(path), 0, Recorder(tmp_path, "host", 0), tmp_path / "work", progress=False)
     assert lm.models(ctx, BASELINE) == [BASELINE, POSITIVE] and lm.models(ctx, "fwpkm") == ["fwpkm"]
+    no_probe = {**preset, "ppl": {**preset["ppl"], "passages": 0}}
+    (tmp_path / "np.yaml").write_text(yaml.safe_dump(no_probe))
+    assert lm.models(Context(load_preset(tmp_path / "np.yaml"), 0, None, tmp_path / "w"), BASELINE) == [BASELINE]
     assert lm.untrained_steps(ctx, "fwpkm", ["ppl"]) == 3 + 2  # its training and the host's pretraining
     rows = ppl.run(ctx, [BASELINE, "fwpkm"])
     got = {(r["layer"], r["setting"]["corpus"], r["setting"]["mode"]): r for r in rows}
@@ -1013,3 +1016,7 @@ def test_ppl_with_a_host_compares_a_memory_attached_to_a_pretrained_model(tmp_pa
     assert ppl_report.on_the_backbone(sec, pd.DataFrame(index=["fwpkm"])) == []
     sec.rows = [{**r, "config": {"lm": {"model": {}}}} for r in rows]
     assert ppl_report.on_the_backbone(sec, pd.DataFrame(index=["fwpkm"])) == ["fwpkm"]
+    from memzoo.bench.report import frame
+
+    assert "Hugging Face llama (2 layers, width 32), random-init and pretrained 2 steps" in " ".join(
+        ppl_report.reading(frame(rows)))

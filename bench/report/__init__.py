@@ -80,7 +80,14 @@ def frame(rows: list[dict]):
     import pandas as pd
 
     return pd.json_normalize([{**{k: v for k, v in r.items() if k not in _DROP},
-                               **({"machine": machine(r)} if "hardware" in r else {})} for r in rows])
+                               **({"machine": machine(r)} if "hardware" in r else {}),
+                               **({"host": h} if (h := _host(r)) else {})} for r in rows])
+
+
+def _host(r: dict) -> dict | None:
+    """The Hugging Face host an LM row's memory was attached to (`ppl.host`: the attach preset), else None:
+    the one fact of a row's config its section says (the LMs are not memzoo's backbone)."""
+    return ((r.get("config") or {}).get("lm") or {}).get("host")
 
 
 def _groups(rows: list[dict], with_rows: bool = False):

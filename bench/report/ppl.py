@@ -273,7 +273,19 @@ def reading(df) -> list[str]:
                    f"{r['metrics.gain_half']:.3f} nats/token better than its first (seed {r['seed']}).")
     if pos.empty and (df["setting.corpus"] == "repeat").any():
         out.append("The probe ran without its positive control: its rows are withheld.")
-    return out + lm_lines(df, "sequences or passages")
+    return out + _host_lines(df) + lm_lines(df, "sequences or passages")
+
+
+def _host_lines(df) -> list[str]:
+    """What the LMs are where they are a Hugging Face host with memories attached (`ppl.host`)."""
+    if "host.steps" not in df or df["host.steps"].isna().all():
+        return []
+    r = df[df["host.steps"].notna()].iloc[0]
+    cfg = lambda k: r.get(f"host.config.{k}")  # noqa: E731
+    return [f"The LMs are a Hugging Face {cfg('model_type')} ({cfg('num_hidden_layers')} layers, width {cfg('hidden_size')}), "
+            f"random-init and pretrained {int(r['host.steps'])} steps once per seed, then trained further with "
+            "everything trainable: the baseline alone, a layer's with that memory attached (memzoo.attach), so that each "
+            "memory stands against the same model trained as long without it."]
 
 
 def problems(df) -> list[str] | None:
