@@ -256,7 +256,7 @@ def test_bases_are_not_listed(tmp_path):
     with pytest.raises(ConfigError) as e:
         resolve_config_path("paper/nope")
     assert "paper/gdn" in str(e.value) and "_base" not in str(e.value)
-    assert preset_names() == ["capacity", "gpu", "paper", "recall", "recall-10x", "recall-10x-seeds", "recall-gpu",
+    assert preset_names() == ["attach", "capacity", "gpu", "paper", "recall", "recall-10x", "recall-10x-seeds", "recall-gpu",
                               "recall-state", "recall-state-10x", "standard",
                               "tiny"]
 
