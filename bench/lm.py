@@ -32,8 +32,8 @@ model a user already has (:mod:`memzoo.attach`). The host (random-init from `hos
 Llama) is pretrained `host.steps` steps on the recipe below, once per seed; then every LM trains the
 preset's `train.steps` further, everything trainable: the baseline is the host itself, a layer's LM
 the host with that layer attached where the preset places it (`layers:`, its options), so that each
-memory is compared with the same model trained equally long without one. The positive control is the
-baseline's LM reading with its KV cache carried (the ppl suite's probe).
+memory is compared with the same model trained equally long without one. Where the ppl suite's probe
+runs, its positive control is the baseline's LM reading with its KV cache carried.
 
 A trained LM is cached under ``<work_dir>/lm/<layer>-<hash>/`` (the hash covers the model,
 the training settings, the mixture and the seed), so the suites of one run, and later runs

@@ -1,11 +1,11 @@
 """Does the attach preset's Llama learn to copy a passage it can see? (issue 81's measured example)
-Finding: docs/journal/ppl.md, "2026-12-07: the attach preset's Llama does not copy".
+Finding: docs/journal/ppl.md, "the attach preset's Llama does not copy".
 
 Continues a pretrained host (the attach preset's, `<work_dir>/lm/host-<hash>/hf`) or a fresh one ("fresh") on the
 preset's recipe with half the windows read twice (memzoo.data.RepeatMix), AdamW at `lr` with 50 warmup steps and a
 cosine to a tenth, batch 16 x 256 bytes, and every 250 steps reads 16 sonnets (held out of training) of 128 bytes
 twice in one sequence: the loss of the first reading, of the second, and the gain. An LM that copies predicts the
-second reading far better (the ppl suite's attention control: +0.85 nats/token).
+second reading far better (the standard preset's attention control does: docs/journal/ppl.md).
 
     python -m research.attach_copy runs/bench/attach/lm/host-<hash>/hf 3000 3e-3
 """

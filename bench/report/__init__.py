@@ -26,7 +26,7 @@ from types import ModuleType
 from memzoo.bench.common import BASELINE, RESULTS, read_results
 from memzoo.bench.report import cost, niah, pairs, ppl, toys
 from memzoo.bench.report.common import (  # noqa: F401  (the tables' helpers, imported from here by callers)
-    fewer_seeds, keyed, lm_lines, machine, save_png, shared_count, versus, with_family, with_seed, with_texts,
+    fewer_seeds, keyed, lm_host, lm_lines, machine, save_png, shared_count, versus, with_family, with_seed, with_texts,
 )
 from memzoo.bench.schema import SUITE_NAMES as NAMES
 from memzoo.bench.schema import layer_order, lead  # noqa: F401  (layer_order: callers import it from here)
@@ -81,13 +81,7 @@ def frame(rows: list[dict]):
 
     return pd.json_normalize([{**{k: v for k, v in r.items() if k not in _DROP},
                                **({"machine": machine(r)} if "hardware" in r else {}),
-                               **({"host": h} if (h := _host(r)) else {})} for r in rows])
-
-
-def _host(r: dict) -> dict | None:
-    """The Hugging Face host an LM row's memory was attached to (`ppl.host`: the attach preset), else None:
-    the one fact of a row's config its section says (the LMs are not memzoo's backbone)."""
-    return ((r.get("config") or {}).get("lm") or {}).get("host")
+                               **({"host": h} if (h := lm_host(r)) else {})} for r in rows])
 
 
 def _groups(rows: list[dict], with_rows: bool = False):

@@ -98,3 +98,9 @@ def lm_lines(df, over: str) -> list[str]:
     out.append(f"Training seeds: {', '.join(f'{n} ({seeds[n]})' for n in several)}; every other row one."
                if several else f"Every row is one training seed: its intervals are over {over}, not trainings.")
     return out
+
+
+def lm_host(r: dict) -> dict | None:
+    """The Hugging Face host an LM row's memory was attached to (`ppl.host`: the attach preset), else None:
+    the one fact of a row's config its section says (the LMs are not memzoo's backbone)."""
+    return ((r.get("config") or {}).get("lm") or {}).get("host")

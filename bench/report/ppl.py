@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, POSITIVE, mean_ci
 from memzoo.bench.report.common import (
-    fewer_seeds, keyed, layer_order, lm_lines, save_png, shared_count, versus, with_family, with_seed, with_texts,
+    fewer_seeds, keyed, layer_order, lm_host, lm_lines, save_png, shared_count, versus, with_family, with_seed, with_texts,
 )
 from memzoo.bench.report.overview import Headline
 from memzoo.bench.schema import PPL_MODES as MODES
@@ -304,7 +304,7 @@ def _carried_gain(sec, t, layer) -> str:
 def on_the_backbone(sec, t) -> list:
     """The layers a section gives the overview: its table's, where its LMs are memzoo's backbone; none where
     they are a Hugging Face host with the memory attached (the attach preset: another model, its own section)."""
-    return [] if any("host" in ((r.get("config") or {}).get("lm") or {}) for r in sec.rows) else list(t.index)
+    return [] if any(lm_host(r) for r in sec.rows) else list(t.index)
 
 
 _WHY = ("the most trainings behind each number, then a published preset, then the latest (LMs of memzoo's "

@@ -39,8 +39,8 @@ and the probe's gain come through the memory alone. The measurements: docs/journ
 
 A memory in a model a user already has (``host``, the attach preset): the LMs are a Hugging
 Face causal LM pretrained once per seed, then trained further alone (the baseline) or with one
-memory attached (:mod:`memzoo.attach`), equally long; the positive control is the host reading
-with its KV cache carried (:mod:`memzoo.bench.lm`).
+memory attached (:mod:`memzoo.attach`), equally long; where the probe runs, its positive control
+is the host reading with its KV cache carried (:mod:`memzoo.bench.lm`).
 
 The repeated-passage probe (setting ``{"corpus": "repeat", "mode": "carry"}``): ``passages``
 held-out passages of ``passage_len`` tokens (the sonnets, unseen in training), each read
