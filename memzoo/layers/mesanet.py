@@ -15,7 +15,8 @@ layout of memzoo's ops:
 the solve (H_t + Λ)^{-1} q_t by conjugate gradient for a fixed number of steps (the paper's solver; its
 step count trades compute for accuracy). The two sums are the shared op
 :mod:`memzoo.ops.linear_attention` with a per-head decay (keys β_t k_t, values k_t and v_t), and every
-conjugate-gradient step over a sequence is one chunked linear attention: :mod:`memzoo.ops.mesa`.
+conjugate-gradient step over a sequence is one chunked linear-attention read of memories built once per
+solve: :mod:`memzoo.ops.mesa`.
 
 The slow projections (Fig. 1 C: keys, queries, values, input and forget strengths from the input):
 
@@ -94,8 +95,9 @@ class MesaNet(MemoryLayer):
     per_sequence = True
     #: read with the memory so far plus the token's own write, then write (module docstring)
     inclusive: ClassVar[bool] = False
-    #: chunk length of the chunked op inside forward (any value is exact)
-    parallel_chunk: int = 64
+    #: chunk length of the chunked op inside forward (any value is exact); a conjugate-gradient step
+    #: costs about 2·C·K + K² per token, so a short chunk keeps the C·C scores small
+    parallel_chunk: int = 16
     #: the conjugate gradient's stabiliser (fla's; 0 = the textbook iteration, exact after K steps)
     cg_eps: float = CG_EPS
     bench_cost = 3.0

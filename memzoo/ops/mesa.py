@@ -13,9 +13,10 @@ forget strength γ_t ∈ (0, 1) and a regulariser Λ = Diag(λ), λ ∈ R^K_{>0}
 
 Both sums are the shared op :mod:`memzoo.ops.linear_attention` with a per-head decay log γ_t: H_t is the
 op's state for keys β_t k_t and values k_t, G_t for keys β_t k_t and values v_t; and (H_t + Λ) p_t for every
-t at once is the op's inclusive read with queries p_t (plus λ ⊙ p_t), so each conjugate-gradient step costs
-one chunked linear attention and no H_t is ever materialised per token (the paper's chunkwise-parallel
-solve).
+t at once is the op's inclusive read with queries p_t (plus λ ⊙ p_t). From one conjugate-gradient step to the
+next only the queries change, so the chunk-start memories H_n and the intra-chunk decays are built once per
+solve and each step is a few batched matmuls per chunk; no H_t is ever materialised per token (the paper's
+chunkwise-parallel solve).
 
 The solve. Conjugate gradient for a fixed number of steps, per token (each t solves its own system,
 vectors along the last dimension), as fla's references and kernels run it (``fla/ops/mesa_net/naive.py``
@@ -37,7 +38,6 @@ converged this is the exact gradient of (H_t + Λ)^{-1} q_t; the iterations are 
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable
 
 import torch
@@ -111,10 +111,53 @@ def mesa_solve(matvec: Callable[..., Tensor], q: Tensor, params: tuple[Tensor, .
     return _Solve.apply(matvec, steps, eps, q, *params)
 
 
-def _sequence_matvec(p: Tensor, k: Tensor, beta: Tensor, log_gamma: Tensor, lam: Tensor, H0: Tensor,
-                     chunk_size: int) -> Tensor:
-    """(H_t + Λ) p_t for every t: the op's inclusive read of queries p with keys β k and values k, from H_0."""
-    return linear_attention_chunked(p, beta[..., None] * k, k, log_gamma, H0, chunk_size=chunk_size)[0] + lam * p
+def _chunks(x: Tensor, C: int) -> Tensor:
+    """[B, T, H, *] -> [B, H, N, C, *] (T padded with zeros to N·C)."""
+    B, T, H = x.shape[:3]
+    N = -(-T // C)
+    if N * C > T:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, N * C - T))
+    return x.reshape(B, N, C, H, *x.shape[3:]).transpose(1, 3).transpose(2, 3)
+
+
+def _unchunk(x: Tensor, T: int) -> Tensor:
+    """[B, H, N, C, *] -> [B, T, H, *] (the padding dropped)."""
+    B, H, N, C = x.shape[:4]
+    return x.transpose(2, 3).transpose(1, 3).reshape(B, N * C, H, *x.shape[4:])[:, :T]
+
+
+def _sequence_operator(k: Tensor, beta: Tensor, log_gamma: Tensor, H0: Tensor,
+                       C: int) -> tuple[tuple[Tensor, ...], Tensor]:
+    """What p ↦ H_t p_t for every t needs, in chunks of C tokens, computed once per solve (none of it
+    depends on p): the keys β k [B, H, N, C, K]; the keys k split for :func:`causal_matmul` (finite part,
+    and the carry of non-finite entries); the intra-chunk decays exp(b_t − b_s) [B, H, N, C, C] (0 for s > t);
+    exp(b_t) on the read of the chunk's start memory; and those memories H_n [B, H, N, K, K] (b = cumulative
+    log γ inside the chunk: the linear-attention op's chunked form, memzoo/ops/linear_attention.py, with
+    queries p, keys β k and values k). Returns (those tensors, H_T)."""
+    kb, kc = _chunks(beta[..., None] * k, C), _chunks(k, C)
+    b = _chunks(log_gamma[..., None], C)[..., 0].cumsum(-1)  # [B, H, N, C]; padding has log γ = 0
+    causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    decay = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # masked before exp
+    writes = (kb * (b[..., -1:] - b)[..., None].exp()).mT @ kc  # Σ_s exp(b_C − b_s) β_s k_s k_sᵀ per chunk
+    H, starts = H0.to(kb.dtype), []
+    for n in range(kb.shape[2]):  # a loop over chunks, not tokens
+        starts.append(H)
+        H = b[:, :, n, -1].exp()[..., None, None] * H + writes[:, :, n]
+    starts = torch.stack(starts, 2) if starts else H.new_zeros(*H.shape[:2], 0, *H.shape[2:])
+    ok = kc.isfinite()
+    return (kb, kc.where(ok, 0), kc.where(~ok, 0).cumsum(-2), decay, b.exp()[..., None], starts), H
+
+
+def _sequence_matvec(p: Tensor, kb: Tensor, kc: Tensor, carry: Tensor, decay: Tensor, read_decay: Tensor,
+                     starts: Tensor, lam: Tensor) -> Tensor:
+    """(H_t + Λ) p_t for every t of p [B, T, H, K] on :func:`_sequence_operator`'s tensors: the read of the
+    chunk's start memory, exp(b_t) H_nᵀ p_t, plus the chunk's own writes up to t,
+    Σ_{s≤t} exp(b_t − b_s) (p_t · β_s k_s) k_s (selected causally as :func:`causal_matmul` does, so a NaN at
+    token s stays out of the reads before s), plus λ ⊙ p_t. p is chunked afresh each time, so its padding
+    is always 0 and never enters the solve (a zero vector is 0/0 at ε = 0)."""
+    pc = _chunks(p, decay.shape[-1])
+    intra = ((pc @ kb.mT) * decay).tril() @ kc + carry
+    return _unchunk(intra + read_decay * (pc @ starts), p.shape[1]) + lam * p
 
 
 def _fla_mesa_unsupported(k: Tensor, v: Tensor, eps: float) -> str | None:
@@ -163,12 +206,11 @@ def mesa_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_gamma: Tenso
 
 def _mesa_chunked_torch(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_gamma: Tensor, lam: Tensor, H0: Tensor,
                         G0: Tensor, steps: int, chunk_size: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`mesa_chunked`'s torch path."""
-    lam = lam.to(q.dtype)
-    q_star = mesa_solve(partial(_sequence_matvec, chunk_size=chunk_size), q, (k, beta, log_gamma, lam, H0), steps, eps)
-    kb = beta[..., None] * k
-    o, G = linear_attention_chunked(q_star, kb, v, log_gamma, G0, chunk_size=chunk_size)
-    H = linear_attention_final_state(kb, k, log_gamma, H0)
+    """:func:`mesa_chunked`'s torch path: the solve in chunk layout on the operator built once
+    (:func:`_sequence_operator`), then the read G_tᵀ q*_t by the chunked op."""
+    operator, H = _sequence_operator(k, beta, log_gamma, H0, min(chunk_size, max(q.shape[1], 1)))
+    q_star = mesa_solve(_sequence_matvec, q, (*operator, lam.to(q.dtype)), steps, eps)
+    o, G = linear_attention_chunked(q_star, beta[..., None] * k, v, log_gamma, G0, chunk_size=chunk_size)
     return o, H, G
 
 
