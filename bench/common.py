@@ -220,6 +220,25 @@ def config_hash(cfg: dict) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+#: where a measurement kept its files, which older rows record in their config (an LM's ``train.out_dir``,
+#: under the run's work dir) and which is no part of what was measured
+LOCATIONS = (("lm", "train", "out_dir"),)
+
+
+def protocol_hash(cfg: dict) -> str:
+    """The hash of what a row measured: `config_hash` of its config without `LOCATIONS`, so that one
+    measurement made in two work dirs is one cell (a resumed run finds it, a pooled table pools it).
+    Rows record no location since, so for them this is their ``config_hash``."""
+    measured = json.loads(json.dumps(cfg, default=str))  # a copy, hashed as config_hash hashes
+    for *parents, leaf in LOCATIONS:
+        inner = measured
+        for k in parents:
+            inner = inner.get(k) if isinstance(inner, dict) else None
+        if isinstance(inner, dict):
+            inner.pop(leaf, None)
+    return config_hash(measured)
+
+
 def published_rows() -> Path | None:
     """leaderboards/results.jsonl of the checkout (the working directory's), if any."""
     path = Path.cwd() / "leaderboards" / "results.jsonl"
@@ -344,18 +363,22 @@ class Recorder:
         self.git_sha = git_sha()  # the code this run started with (a later commit does not change it)
 
     @staticmethod
-    def _key(suite, preset, layer, setting, seed, config_hash) -> str:
-        return json.dumps([suite, preset, layer, setting, seed, config_hash], sort_keys=True)
+    def _key(suite, preset, layer, setting, seed, protocol) -> str:
+        return json.dumps([suite, preset, layer, setting, seed, protocol], sort_keys=True)
+
+    @classmethod
+    def _row_key(cls, r: dict) -> str:
+        return cls._key(r["suite"], r["preset"], r["layer"], r["setting"], r["seed"], protocol_hash(r["config"]))
 
     def find(self, suite: str, layer: str, setting: dict, config: dict, seed: int | None = None,
              preset: str | None = None) -> dict | None:
         """The row already recorded in the file for this suite, preset (this run's, or `preset`), layer,
-        setting, seed and config (its hash), if any: what a resumed run skips."""
+        setting, seed and config (`protocol_hash`: its hash, the locations left out), if any: what a resumed
+        run skips."""
         if self._done is None:
-            self._done = {self._key(r["suite"], r["preset"], r["layer"], r["setting"], r["seed"], r["config_hash"]): r
-                          for r in read_results(self.path)}
+            self._done = {self._row_key(r): r for r in read_results(self.path)}
         seed = self.seed if seed is None else seed
-        return self._done.get(self._key(suite, preset or self.preset, layer, setting, seed, config_hash(config)))
+        return self._done.get(self._key(suite, preset or self.preset, layer, setting, seed, protocol_hash(config)))
 
     def add(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float,
             seed: int | None = None) -> dict:
@@ -431,8 +454,7 @@ class Recorder:
     def _keep(self, row: dict) -> dict:
         self.rows.append(row)
         if self._done is not None:
-            self._done[self._key(row["suite"], row["preset"], row["layer"], row["setting"], row["seed"],
-                                 row["config_hash"])] = row
+            self._done[self._row_key(row)] = row
         return row
 
 
@@ -444,8 +466,7 @@ class Collector(Recorder):
     def __init__(self, preset: str, seed: int, run_id: str, done: list[dict]):
         super().__init__(".", preset, seed, run_id)
         self.path = None
-        self._done = {self._key(r["suite"], r["preset"], r["layer"], r["setting"], r["seed"], r["config_hash"]): r
-                      for r in done}
+        self._done = {self._row_key(r): r for r in done}
 
     def append(self, row: dict) -> dict:
         return self._keep(row)
@@ -538,7 +559,7 @@ class Context:
         return self.recorder.add(suite, layer, setting, metrics, config, wall_s, seed)
 
     def recorded(self, suite: str, layer: str, setting: dict, config: dict, seed: int | None = None) -> dict | None:
-        """With `resume`, the row already recorded for this measurement (same config hash and
+        """With `resume`, the row already recorded for this measurement (same `protocol_hash` and
         seed), which the suite then skips; None otherwise."""
         return self.recorder.find(suite, layer, setting, config, seed) if self.resume else None
 

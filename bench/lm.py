@@ -163,6 +163,7 @@ def identity(rc: RunConfig, mix: dict) -> dict:
     """What an LM is, as its rows record it (`lm` in their config): its run config and its mixture; with a
     host, the host and the attached specs in place of the backbone's model section."""
     d = rc.to_dict()
+    d["train"].pop("out_dir")  # where it is kept, not what it is (common.LOCATIONS)
     if "host" in mix:
         d.pop("model")
     return {**d, **mix}
@@ -170,7 +171,7 @@ def identity(rc: RunConfig, mix: dict) -> dict:
 
 def recorded(ctx: Context, suite: str, layer: str, settings: list[dict], own: dict) -> list[dict] | None:
     """With `ctx.resume` (a dry run's too), the rows `suite` already recorded for `layer`'s
-    LM at every one of `settings` (same config hash and seed: the LM's config, as `shared_lm` records it,
+    LM at every one of `settings` (same `protocol_hash` and seed: the LM's config, as `shared_lm` records it,
     plus `own`, the suite's settings), which a resumed run then neither trains nor evaluates again;
     None where one is missing."""
     if not ctx.resume:

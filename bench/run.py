@@ -203,7 +203,7 @@ def run_bench(layers: str | None, suites: str | None = None, preset: str | None 
     most tasks at once (None: as many as the cluster's resources allow). `engine`: "pool", the
     embedded process pool, or "ray", each job a Ray task on the cluster at `address`
     (`memzoo.bench.ray_engine`). `resume`: a measurement already in <out>/results.jsonl with the
-    same config hash and seed is skipped (the toys' cells; the ppl and niah suites' LMs, each once
+    same config (`protocol_hash`) and seed is skipped (the toys' cells; the ppl and niah suites' LMs, each once
     all its cells are recorded), so a killed run continues where it stopped. Bad arguments (a `jobs`
     below 1, a negative `seed`, an unavailable device, an unwritable `out` or `work_dir`) fail at once.
     `dry_run`: print the jobs, what is recorded and an estimate of the time (`memzoo.bench.dry_run`),

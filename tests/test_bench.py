@@ -253,11 +253,39 @@ def test_a_resumed_lm_suite_neither_trains_nor_evaluates_recorded_lms(micro, tmp
     key = lambda rs: [(r["suite"], r["setting"], r["config_hash"], r["run_id"]) for r in rs]  # noqa: E731
     assert key(ppl.run(again, ["fwpkm"]) + niah.run(again, ["fwpkm"])) == key(rows)
     assert len(read_results(tmp_path / "results.jsonl")) == n  # nothing added
+    # where the LMs were kept is no part of what was measured: another work dir finds the same rows
+    elsewhere = Context(preset, 0, Recorder(tmp_path, "micro", 0), tmp_path / "elsewhere", progress=False, resume=True)
+    assert key(ppl.run(elsewhere, ["fwpkm"]) + niah.run(elsewhere, ["fwpkm"])) == key(rows)
+    assert not any("out_dir" in r["config"]["lm"]["train"] for r in rows)
+    assert "host" not in rows[0]["config"]["ppl"]  # no host: the backbone's settings as before the field existed
     monkeypatch.setattr(lm, "shared_lm", shared_lm)
     changed = load_preset(micro)
     changed.suites["niah"] = {**changed.suites.get("niah", {}), "samples": 1}
     new = niah.run(Context(changed, 0, Recorder(tmp_path, "micro", 0), work, progress=False, resume=True), ["fwpkm"])
     assert len(read_results(tmp_path / "results.jsonl")) == n + len(new) and all(r["metrics"]["n_samples"] == 1 for r in new)
+
+
+def test_a_row_that_recorded_its_lms_location_is_the_same_measurement_from_any_work_dir(tmp_path):
+    """Rows written before LMs' locations left their configs (``lm.train.out_dir``) are found by a resumed
+    run whose config has none, and pool with its rows; any other difference is another measurement."""
+    from memzoo.bench.common import protocol_hash
+    from memzoo.bench.report import latest
+
+    config = {"lm": {"train": {"lr": 1e-3, "steps": 10}}, "ppl": {"seq_len": 8}}
+    old = {**config, "lm": {"train": {**config["lm"]["train"], "out_dir": "/elsewhere/lm/fwpkm-0123"}}}
+    Recorder(tmp_path, "p", 0).add("ppl", "fwpkm", {"corpus": "c"}, {"loss": 1.0}, old, 1.0)
+    again = Recorder(tmp_path, "p", 0)
+    assert again.find("ppl", "fwpkm", {"corpus": "c"}, config)["config"] == old
+    assert again.find("ppl", "fwpkm", {"corpus": "c"}, {**config, "lm": {"train": {"lr": 2e-3, "steps": 10}}}) is None
+    assert protocol_hash(old) == protocol_hash(config) != protocol_hash({**config, "ppl": {"seq_len": 9}})
+    again.add("ppl", "fwpkm", {"corpus": "c"}, {"loss": 1.1}, config, 1.0)  # the same cell, seed, and protocol
+    again.add("ppl", "fwpkm", {"corpus": "c"}, {"loss": 1.2}, {**config, "ppl": {"seq_len": 9}}, 1.0)  # another
+    rows = read_results(tmp_path / "results.jsonl")
+    for r, cpu in zip(rows, ("AMD EPYC", "Intel Xeon", "Apple M2")):  # one processor model each
+        r["hardware"] = {**r["hardware"], "cpu": cpu}
+    rows[2]["time"] = rows[1]["time"] = rows[0]["time"]
+    rows[2]["run_id"] = "0"  # the other protocol measured first: the latest row's protocol is the pooled one
+    assert sorted(r["metrics"]["loss"] for r in latest(rows, pooled=True)) == [1.0, 1.1]
 
 
 def test_ppl_lms_with_persistent_fast_weights_read_documents_in_order(micro):

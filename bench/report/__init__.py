@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from memzoo.bench.common import BASELINE, RESULTS, read_results
+from memzoo.bench.common import BASELINE, RESULTS, protocol_hash, read_results
 from memzoo.bench.report import cost, niah, pairs, ppl, toys
 from memzoo.bench.report.common import (  # noqa: F401  (the tables' helpers, imported from here by callers)
     fewer_seeds, keyed, lm_host, lm_lines, machine, save_png, shared_count, versus, with_family, with_seed, with_texts,
@@ -54,9 +54,9 @@ def latest(rows: list[dict], pooled: bool = False) -> list[dict]:
     keep: dict[tuple, dict] = {}
     ordered = sorted(rows, key=lambda r: (r["time"], r["run_id"]))
     cell = lambda r: (r["suite"], r["preset"], r["layer"], json.dumps(r["setting"], sort_keys=True))  # noqa: E731
-    config = {cell(r): r.get("config_hash") for r in ordered}  # the config each cell's latest row measured
+    config = {cell(r): protocol_hash(r["config"]) for r in ordered}  # what each cell's latest row measured
     for r in ordered:
-        if pooled and r.get("config_hash") != config[cell(r)]:
+        if pooled and protocol_hash(r["config"]) != config[cell(r)]:
             continue
         keep[(*cell(r), r["seed"], machine(r) if pooled else "")] = r
     return [keep[k] for k in sorted(keep)]

@@ -128,6 +128,11 @@ class Settings:
             if self.model or self.document_order:
                 raise ConfigError("ppl.host: the LMs are the host, so ppl.model and ppl.document_order do not apply")
 
+    def recorded(self) -> dict:
+        """These settings as a row's config records them: without a host when there is none (the field came
+        with the attach preset; the backbone's protocol, and so its rows' config hashes, stayed as they were)."""
+        return {k: v for k, v in asdict(self).items() if k != "host" or v}
+
 
 POSITIONS = PPL_POSITIONS  # bucket edges of the loss by position in a document
 
@@ -236,7 +241,7 @@ def recorded_rows(ctx: Context, layer: str) -> list[dict] | None:
 
     s = ctx.preset.settings(NAME, Settings)
     cells = [{"corpus": c, "mode": m} for c in s.corpora for m in MODES] + ([{"corpus": "repeat", "mode": "carry"}] if s.passages else [])
-    return recorded(ctx, NAME, layer, cells, {"ppl": asdict(s)})
+    return recorded(ctx, NAME, layer, cells, {"ppl": s.recorded()})
 
 
 def run(ctx: Context, layers: list[str]) -> list[dict]:
@@ -254,7 +259,7 @@ def run(ctx: Context, layers: list[str]) -> list[dict]:
         model, info = shared_lm(ctx, layer, NAME)
         tc = info["config"]["train"]
         tok = get_tokenizer(tc["tokenizer"])
-        config = {"lm": info["config"], "ppl": asdict(s)}
+        config = {"lm": info["config"], "ppl": s.recorded()}
         lm = dict(lm_train_loss=info["train_loss"], lm_val_loss=info["val_loss"], lm_steps=info["steps"],
                   lm_tokens=info.get("tokens"), lm_train_wall_s=info["train_wall_s"], params=info["params"])
         for corpus in s.corpora:
