@@ -129,8 +129,8 @@ def _unchunk(x: Tensor, T: int) -> Tensor:
 def _sequence_operator(k: Tensor, beta: Tensor, log_gamma: Tensor, H0: Tensor,
                        C: int) -> tuple[tuple[Tensor, ...], Tensor]:
     """What p ↦ H_t p_t for every t needs, in chunks of C tokens, computed once per solve (none of it
-    depends on p): the keys β k [B, H, N, C, K]; the keys k split for :func:`causal_matmul` (finite part,
-    and the carry of non-finite entries); the intra-chunk decays exp(b_t − b_s) [B, H, N, C, C] (0 for s > t);
+    depends on p): the keys β k [B, H, N, C, K]; the keys k split as ``memzoo.ops.linear_attention.causal_matmul``
+    splits its values (the finite part, and the carry of non-finite entries); the intra-chunk decays exp(b_t − b_s) [B, H, N, C, C] (0 for s > t);
     exp(b_t) on the read of the chunk's start memory; and those memories H_n [B, H, N, K, K] (b = cumulative
     log γ inside the chunk: the linear-attention op's chunked form, memzoo/ops/linear_attention.py, with
     queries p, keys β k and values k). Returns (those tensors, H_T)."""
@@ -152,8 +152,8 @@ def _sequence_matvec(p: Tensor, kb: Tensor, kc: Tensor, carry: Tensor, decay: Te
                      starts: Tensor, lam: Tensor) -> Tensor:
     """(H_t + Λ) p_t for every t of p [B, T, H, K] on :func:`_sequence_operator`'s tensors: the read of the
     chunk's start memory, exp(b_t) H_nᵀ p_t, plus the chunk's own writes up to t,
-    Σ_{s≤t} exp(b_t − b_s) (p_t · β_s k_s) k_s (selected causally as :func:`causal_matmul` does, so a NaN at
-    token s stays out of the reads before s), plus λ ⊙ p_t. p is chunked afresh each time, so its padding
+    Σ_{s≤t} exp(b_t − b_s) (p_t · β_s k_s) k_s (selected causally as ``causal_matmul`` does, so a NaN at token s
+    stays out of the reads before s), plus λ ⊙ p_t. p is chunked afresh each time, so its padding
     is always 0 and never enters the solve (a zero vector is 0/0 at ε = 0)."""
     pc = _chunks(p, decay.shape[-1])
     intra = ((pc @ kb.mT) * decay).tril() @ kc + carry
@@ -206,8 +206,8 @@ def mesa_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_gamma: Tenso
 
 def _mesa_chunked_torch(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_gamma: Tensor, lam: Tensor, H0: Tensor,
                         G0: Tensor, steps: int, chunk_size: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`mesa_chunked`'s torch path: the solve in chunk layout on the operator built once
-    (:func:`_sequence_operator`), then the read G_tᵀ q*_t by the chunked op."""
+    """:func:`mesa_chunked`'s torch path: the solve on the operator built once (:func:`_sequence_operator`),
+    then the read G_tᵀ q*_t by the chunked op."""
     operator, H = _sequence_operator(k, beta, log_gamma, H0, min(chunk_size, max(q.shape[1], 1)))
     q_star = mesa_solve(_sequence_matvec, q, (*operator, lam.to(q.dtype)), steps, eps)
     o, G = linear_attention_chunked(q_star, beta[..., None] * k, v, log_gamma, G0, chunk_size=chunk_size)
