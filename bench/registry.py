@@ -37,6 +37,9 @@ def register_suite(suite: Suite) -> Suite:
 def get_suite(name: str) -> Suite:
     """The registered suite `name` (the built-in ones register when memzoo.bench.suites is imported);
     an unknown name is one error naming the valid ones."""
+    if name in NAMES and name not in SUITES:  # a built-in one, asked for before memzoo.bench.suites ran
+        raise ValueError(f"suite {name!r} is not registered yet: import memzoo.bench.suites first (it registers "
+                         f"the built-in suites)")
     if name not in SUITES:
         raise ValueError(f"unknown suite {name!r}{did_you_mean(name, NAMES)}; "
                          f"valid suites: {', '.join(NAMES)}")

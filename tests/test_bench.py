@@ -45,6 +45,17 @@ def test_every_registered_layer_builds_in_both_presets():
             assert (layer == BASELINE) == ("|" not in mc.layout)
 
 
+def test_a_built_in_suite_asked_for_before_the_suites_register_says_so():
+    """`get_suite` before memzoo.bench.suites ran (a fresh interpreter): not "unknown suite 'niah' (did you
+    mean 'niah'?)" but what to import."""
+    import subprocess
+    import sys
+
+    code = "from memzoo.bench.registry import get_suite\ntry:\n    get_suite('niah')\nexcept ValueError as e:\n    print(e)"
+    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "suite 'niah' is not registered yet: import memzoo.bench.suites first" in said and "did you mean" not in said
+
+
 def test_unknown_names_are_one_clear_error(capsys):
     with pytest.raises(ConfigError, match="valid layers: .*fwpkm"):
         check_layers(["fwpkm", "nope"])
