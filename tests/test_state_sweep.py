@@ -108,7 +108,7 @@ def _row(layer, seed, acc, cpu="AMD EPYC", preset="recall-state", mem=100, stop=
          "tokens_per_s": 1, "sequences": 64000, "left_chance_at": 3200 if acc > 0.06 else None,
          "history": [{"sequences": 3200, "val": acc}]}
     return {"suite": "toys", "preset": preset, "layer": layer, "seed": seed, "setting": {"task": "mqar", "d_model": 64,
-            "route": "memory"}, "metrics": m, "config": {"version": version, "train": {"max_steps": 2000, "batch_size": 32}},
+            "route": "memory"}, "metrics": m, "config": {"version": version, "train": {"max_steps": 2000, "batch_size": 32}, "cell": h or layer},
             "config_hash": h or layer, "hardware": {"cpu": cpu, "cores": 2, "threads": 1}, "git_sha": "a" * 40, "run_id": t + cpu, "time": t, "versions": {"torch": "2.13.0"},
             "wall_s": 1.0}
 

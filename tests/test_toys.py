@@ -157,9 +157,16 @@ def test_defaults_are_the_common_base_and_the_main_job_looks_its_lrs_up():
     assert toys.Settings().origin("mom") == "one lr given"
     assert toys.Settings(lrs=[1e-3, 3e-3]).origin("mom") == "chosen on validation among 2"
     # what the main job chooses for itself stays out of the presets based on the common base
-    for name in ("standard", "recall", "capacity"):
+    for name in ("recall", "capacity"):
         s = load_preset(name).settings("toys", toys.Settings)
         assert not s.lr_from and not s.lr_of and "mom" not in s.layer_lrs, name
+    # the standard preset's memories look theirs up in the recall rows; its baseline and controls are this
+    # backbone, not recall's (another route), so they keep the preset's lrs
+    std = load_preset("standard").settings("toys", toys.Settings)
+    assert std.lr_of == ["recall"] and not std.layer_lrs and std.route == "hybrid"
+    assert all(std.candidates(c) == std.lrs for c in (BASELINE, *CONTROLS))
+    assert std.origin("mom").startswith("the lr recall's rows chose")
+    assert tiny.origin(POSITIVE).startswith("the lr recall's rows chose")  # the main job: recall's route
     with pytest.raises(ConfigError, match="lr_from: unknown layer"):
         toys.Settings(lr_from={"nosuch": "x"}).check()
 

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from dataclasses import dataclass, field
 
-from memzoo.bench.common import BASELINE, CONTROLS, check_backbone, check_variants, published_rows
+from memzoo.bench.common import BASELINE, CONTROLS, check_backbone, check_variants, load_preset, published_rows
 from memzoo.bench.schema import TOYS_TASKS
 from memzoo.config import ConfigError
 from memzoo.data import assoc_retrieval as ar
 from memzoo.data import mqar
 
 from .lr import around, most_chosen, published_choice
+
+
+@functools.cache
+def route_of(preset: str) -> str:
+    """The toys route of a preset (`Settings.route`)."""
+    return load_preset(preset).settings("toys", Settings).route
 
 NAME = "toys"
 TASKS = TOYS_TASKS
@@ -229,13 +236,21 @@ class Settings:
             return list(self.layer_lrs[layer])
         if (chosen := self._chosen(layer)) is not None:
             return [chosen[1]]
-        if (common := self._most_chosen()) is not None:
+        if (common := self._most_chosen(layer)) is not None:
             return [common[1]]
         centre = self._centre(layer)
         return around(centre) if centre else list(self.lrs)
 
-    def _most_chosen(self) -> tuple[str, float] | None:
-        """(the preset, its lr chosen most often) of the first preset of `lr_of` that chose any."""
+    def _borrows(self, layer: str) -> bool:
+        """Whether `layer` takes its lr from `lr_of`'s rows: a memory does; the baseline and the controls only
+        from presets of this preset's route, since what they train is the backbone, which the route sets."""
+        return layer not in (BASELINE, *CONTROLS) or all(route_of(p) == self.route for p in self.lr_of)
+
+    def _most_chosen(self, layer: str) -> tuple[str, float] | None:
+        """(the preset, its lr chosen most often) of the first preset of `lr_of` that chose any, for a
+        `layer` that takes its lr from there."""
+        if not self._borrows(layer):
+            return None
         if self.lr_of and published_rows() is None:
             warnings.warn(f"toys.lr_of {self.lr_of}: no leaderboards/results.jsonl in the working directory, so no "
                           f"published lr to look up: every layer takes toys.lrs {self.lrs} (run from the memzoo checkout)",
@@ -244,6 +259,8 @@ class Settings:
 
     def _chosen(self, layer: str) -> tuple[str, float] | None:
         """(the preset, its published lr) of `lr_of` that chose the model's lr, if any."""
+        if not self._borrows(layer):
+            return None
         return next(((p, lr) for p in self.lr_of if (lr := published_choice(p, layer)) is not None), None)
 
     def _centre(self, layer: str) -> float | None:
@@ -256,7 +273,7 @@ class Settings:
         n = len(self.candidates(layer))
         if layer not in self.layer_lrs and (chosen := self._chosen(layer)):
             return f"the lr {chosen[0]}'s rows chose ({chosen[1]:g})"
-        if layer not in self.layer_lrs and (common := self._most_chosen()):
+        if layer not in self.layer_lrs and (common := self._most_chosen(layer)):
             return f"the lr {common[0]}'s rows chose most often ({common[1]:g}; none chose one for {layer})"
         if layer not in self.layer_lrs and (centre := self._centre(layer)):
             return f"chosen on validation among {n} around {self.lrs_around}'s {centre:g} ({self.size_of(layer)[0]})"
