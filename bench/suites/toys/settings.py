@@ -15,14 +15,15 @@ from memzoo.data import mqar
 
 from .lr import around, most_chosen, published_choice
 
+NAME = "toys"
+TASKS = TOYS_TASKS
+
 
 @functools.cache
 def route_of(preset: str) -> str:
     """The toys route of a preset (`Settings.route`)."""
-    return load_preset(preset).settings("toys", Settings).route
+    return load_preset(preset).settings(NAME, Settings).route
 
-NAME = "toys"
-TASKS = TOYS_TASKS
 
 #: AdamW's betas in every toys training: Zoology's (they are in each cell's config, and so in its hash)
 BETAS = (0.9, 0.98)
