@@ -224,19 +224,35 @@ def config_hash(cfg: dict) -> str:
 #: under the run's work dir) and which is no part of what was measured
 LOCATIONS = (("lm", "train", "out_dir"),)
 
+#: where a config names its training seed (an LM's), which the row's ``seed`` names too: one protocol at every seed
+SEEDS = (("lm", "train", "seed"),)
 
-def protocol_hash(cfg: dict) -> str:
-    """The hash of what a row measured: `config_hash` of its config without `LOCATIONS`, so that one
-    measurement made in two work dirs is one cell (a resumed run finds it, a pooled table pools it).
-    Rows record no location since, so for them this is their ``config_hash``."""
-    measured = json.loads(json.dumps(cfg, default=str))  # a copy, hashed as config_hash hashes
-    for *parents, leaf in LOCATIONS:
+#: what of an LM row's config is its layer's own (`bench.lm.lm_config`: the layout and memory it plugs in,
+#: the controls' mixers, the attached specs, documents in order for fast weights that persist; the lr a
+#: layer may train at): the rest is the protocol that a preset's LMs share
+LM_LAYER_KEYS = (("lm", "model", "layout"), ("lm", "model", "memory"), ("lm", "model", "attn_conv"), ("lm", "attach"),
+                 ("lm", "document_order"), ("lm", "train", "lr"))
+
+
+def protocol(cfg: dict, any_seed: bool = False, without: tuple = ()) -> dict:
+    """What a row measured: a copy of its config without `LOCATIONS`; `any_seed`: without `SEEDS` too,
+    the protocol that a cell's seeds share; `without`: other paths left out (a layer's own options,
+    `LM_LAYER_KEYS`: the protocol that a preset's layers share)."""
+    measured = json.loads(json.dumps(cfg, default=str))  # a copy, as config_hash hashes it
+    for *parents, leaf in LOCATIONS + (SEEDS if any_seed else ()) + tuple(without):
         inner = measured
         for k in parents:
             inner = inner.get(k) if isinstance(inner, dict) else None
         if isinstance(inner, dict):
             inner.pop(leaf, None)
-    return config_hash(measured)
+    return measured
+
+
+def protocol_hash(cfg: dict, any_seed: bool = False, without: tuple = ()) -> str:
+    """`config_hash` of the `protocol` of a config, so that one measurement made in two work dirs is one
+    cell (a resumed run finds it, a pooled table pools it). Rows record no location since, so for them
+    this is their ``config_hash``."""
+    return config_hash(protocol(cfg, any_seed, without))
 
 
 def published_rows() -> Path | None:
@@ -294,6 +310,12 @@ def hardware() -> dict:
 
         hw["bf16_gemm_in_fp32"] = cpu_bf16_gemm_is_slow()
     return hw
+
+
+def processor(hw: dict) -> str:
+    """The processor model of a row's ``hardware`` (the GPU's name, else the CPU's): what a timing
+    belongs to and what a pooled table names for each row."""
+    return hw.get("gpu") or hw["cpu"]
 
 
 def device_name(device: str) -> str:
@@ -359,7 +381,7 @@ class Recorder:
         self.preset, self.seed = preset, seed
         self.run_id = run_id or time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
         self.rows: list[dict] = []
-        self._done: dict | None = None  # rows already in the file, by _key (read on first lookup)
+        self._done: dict | None = None  # rows already in the file, a list by _key (read on first lookup)
         self.git_sha = git_sha()  # the code this run started with (a later commit does not change it)
 
     @staticmethod
@@ -374,11 +396,16 @@ class Recorder:
              preset: str | None = None) -> dict | None:
         """The row already recorded in the file for this suite, preset (this run's, or `preset`), layer,
         setting, seed and config (`protocol_hash`: its hash, the locations left out), if any: what a resumed
-        run skips."""
+        run skips. The controls and the backbone alone count only where measured on this processor model:
+        a table asks them to hold on every processor that contributed rows, so a run on a new one
+        measures its own."""
         if self._done is None:
-            self._done = {self._row_key(r): r for r in read_results(self.path)}
+            self._done = self._index(read_results(self.path))
         seed = self.seed if seed is None else seed
-        return self._done.get(self._key(suite, preset or self.preset, layer, setting, seed, protocol_hash(config)))
+        rows = self._done.get(self._key(suite, preset or self.preset, layer, setting, seed, protocol_hash(config)), [])
+        if layer in CONTROLS or layer == BASELINE:
+            rows = [r for r in rows if processor(r["hardware"]) == processor(hardware())]
+        return rows[-1] if rows else None
 
     def add(self, suite: str, layer: str, setting: dict, metrics: dict, config: dict, wall_s: float,
             seed: int | None = None) -> dict:
@@ -451,10 +478,18 @@ class Recorder:
         os.ftruncate(f.fileno(), keep)
         return keep
 
+    @classmethod
+    def _index(cls, rows: list[dict]) -> dict:
+        """{_row_key: its rows, oldest first}."""
+        out: dict = {}
+        for r in rows:
+            out.setdefault(cls._row_key(r), []).append(r)
+        return out
+
     def _keep(self, row: dict) -> dict:
         self.rows.append(row)
         if self._done is not None:
-            self._done[self._row_key(row)] = row
+            self._done.setdefault(self._row_key(row), []).append(row)
         return row
 
 
@@ -466,7 +501,7 @@ class Collector(Recorder):
     def __init__(self, preset: str, seed: int, run_id: str, done: list[dict]):
         super().__init__(".", preset, seed, run_id)
         self.path = None
-        self._done = {self._row_key(r): r for r in done}
+        self._done = self._index(done)
 
     def append(self, row: dict) -> dict:
         return self._keep(row)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from memzoo.bench.common import BASELINE, RESULTS, protocol_hash, read_results
+from memzoo.bench.common import BASELINE, RESULTS, protocol, protocol_hash, read_results
 from memzoo.bench.report import cost, niah, pairs, ppl, toys
 from memzoo.bench.report.common import (  # noqa: F401  (the tables' helpers, imported from here by callers)
     fewer_seeds, keyed, lm_host, lm_lines, machine, save_png, shared_count, versus, with_family, with_seed, with_texts,
@@ -49,14 +49,14 @@ _DROP = ("config", "versions", "hardware")  # provenance kept in results.jsonl, 
 
 def latest(rows: list[dict], pooled: bool = False) -> list[dict]:
     """The last row of every (suite, preset, layer, setting, seed), in a fixed order. `pooled`: the
-    last of every processor model too, among the rows of the config its latest row measured (the
-    same cell measured on several processors: an accuracy pools them; `pooled_suite`)."""
+    last of every processor model too, among the rows of the config its latest row measured, whatever
+    its training seed (the same cell measured on several processors: an accuracy pools them; `pooled_suite`)."""
     keep: dict[tuple, dict] = {}
     ordered = sorted(rows, key=lambda r: (r["time"], r["run_id"]))
     cell = lambda r: (r["suite"], r["preset"], r["layer"], json.dumps(r["setting"], sort_keys=True))  # noqa: E731
-    config = {cell(r): protocol_hash(r["config"]) for r in ordered}  # what each cell's latest row measured
+    config = {cell(r): protocol_hash(r["config"], any_seed=True) for r in ordered}  # what each cell's latest row measured
     for r in ordered:
-        if pooled and protocol_hash(r["config"]) != config[cell(r)]:
+        if pooled and protocol_hash(r["config"], any_seed=True) != config[cell(r)]:
             continue
         keep[(*cell(r), r["seed"], machine(r) if pooled else "")] = r
     return [keep[k] for k in sorted(keep)]
@@ -112,8 +112,14 @@ def _shown(rows: list[dict], pooled: bool = False) -> list[tuple[str, str]]:
 
 def _kind(r: dict, pooled: bool = False) -> tuple[str, str]:
     """(machine model, protocol version) of a row: what a table may not mix; `pooled`: the protocol
-    only (each row names its processor)."""
-    return "" if pooled else machine(r), str(r.get("config", {}).get("version", ""))
+    only (each row names its processor). A suite whose module names its configs' ``LAYER_KEYS`` (a
+    layer's own options) tells protocols apart by the rest of the config too, the preset's protocol
+    (its short hash), since its presets changed without a version."""
+    version = str(r.get("config", {}).get("version", ""))
+    own = getattr(module(r["suite"]), "LAYER_KEYS", None) if pooled else None
+    if own is not None:
+        version += ("/" if version else "") + protocol_hash(r["config"], any_seed=True, without=own)[:8]
+    return "" if pooled else machine(r), version
 
 
 def _folder(section: str, preset: str) -> str:
@@ -216,7 +222,7 @@ def sections(rows: list[dict], out: Path) -> list[Section]:
         out_sections.append(Section(
             suite=name, preset=preset, heading=heading,
             lead=lead(name),
-            provenance=provenance(shown), tables=mod.tables(df), note=getattr(mod, "NOTE", "").strip(),
+            provenance=provenance(shown)[:-2] + _differs(name, preset, shown, rows) + ".*", tables=mod.tables(df), note=getattr(mod, "NOTE", "").strip(),
             reading=list(_reading(mod, df, rows)),
             figures=list(mod.figures(df, out / "figures" / _folder(heading, preset))),
             problems=getattr(mod, "problems", lambda df: None)(df), rows=shown, anchor=anchor))
@@ -224,6 +230,37 @@ def sections(rows: list[dict], out: Path) -> list[Section]:
         sec.headline = overview_headline(sec, getattr(mod, "HEADLINES", ()))
         sec.lead_figures = [p for p in sec.figures if p.stem in getattr(mod, "LEAD_FIGURES", ())] if sec.headline else []
     return out_sections
+
+
+def _differs(name: str, preset: str, shown: list[dict], rows: list[dict]) -> str:
+    """Where a preset's sections are protocols of a suite that tells them apart by config (``LAYER_KEYS``):
+    '; protocol P sets k v, ... (Q: w, ...)', what this section's protocol sets otherwise than each other
+    one shown, from their rows' configs; else ''."""
+    own = getattr(module(name), "LAYER_KEYS", None)
+    kinds = _shown([r for r in rows if r["suite"] == name and r["preset"] == preset], True)
+    if own is None or len(kinds) < 2:
+        return ""
+
+    def flat(cfg: dict, path: str = "") -> dict:
+        out = {}
+        for k, v in cfg.items():
+            out.update(flat(v, f"{path}{k}.") if isinstance(v, dict) and v else {f"{path}{k}": v})
+        return out
+
+    def setting(r: dict) -> dict:
+        return flat(protocol(r["config"], any_seed=True, without=own))
+
+    mine = _kind(shown[0], True)[1]
+    here = setting(shown[0])
+    parts = []
+    for _, other in kinds:
+        if other == mine:
+            continue
+        there = setting(next(r for r in rows if r["suite"] == name and r["preset"] == preset and _kind(r, True)[1] == other))
+        keys = sorted(k for k in set(here) | set(there) if here.get(k) != there.get(k))
+        parts.append(", ".join(f"{k} {here.get(k, '(unset)')}" for k in keys)
+                     + f" ({other}: " + ", ".join(str(there.get(k, "(unset)")) for k in keys) + ")")
+    return f"; protocol {mine} sets " + "; ".join(parts)
 
 
 def anchor_of(heading: str) -> str:

@@ -7,13 +7,33 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from memzoo.bench.common import processor
 from memzoo.bench.schema import layer_order
 from memzoo.registry import family_of
 
 
 def machine(r: dict) -> str:
     """The processor a row was measured on: the GPU's name, else the CPU's."""
-    return r["hardware"].get("gpu") or r["hardware"]["cpu"]
+    return processor(r["hardware"])
+
+
+def failing(df, check) -> dict[str, list[str]]:
+    """{processor: what fails there} for each processor of a pooled section (``POOLED``) whose own
+    rows fail `check` (the suite's controls' validity on that processor's rows); {} where the
+    section has rows of one processor, whose check is the section's own."""
+    if "machine" not in df or df["machine"].nunique() < 2:
+        return {}
+    return {m: bad for m, g in df.groupby("machine") if (bad := check(g))}
+
+
+def one_per_seed(df, cell: list[str]):
+    """The latest row of each `cell` (columns) and training seed: where a pooled section holds a seed
+    trained on two processors, each training counts once (both stay in results.jsonl and in the
+    controls' checks)."""
+    if "machine" not in df or df["machine"].nunique() < 2:
+        return df
+    keys = [c for c in cell if c in df] + ["seed"]
+    return with_seed(df).sort_values(["time", "run_id"]).drop_duplicates(keys, keep="last").sort_index()
 
 
 def keyed(key: str, table):

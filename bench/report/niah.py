@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci, mean_ci
+from memzoo.bench.common import BASELINE, CONTROLS, LM_LAYER_KEYS, NEGATIVE, POSITIVE, logit_ci, mean_ci
 from memzoo.bench.report.common import (
-    fewer_seeds, keyed, layer_order, lm_lines, save_png, shared_count, versus, with_family, with_seed, with_texts,
+    failing, fewer_seeds, keyed, layer_order, lm_lines, one_per_seed, save_png, shared_count, versus, with_family,
+    with_seed, with_texts,
 )
 from memzoo.bench.report.overview import Headline
 
@@ -25,6 +26,17 @@ backbone alone cannot copy a needle, so a row above it got the needle through it
 these numbers cannot show: recall among several needles, and anything at the paper's scale. The
 findings behind the rows, with their history: docs/journal/niah.md."""
 
+
+#: an accuracy is the protocol's wherever it ran: a section pools the processors that measured one
+#: protocol (each row names its processor); the controls must hold on each (`withheld`), and the
+#: throughput table stays per processor
+POOLED = True
+
+#: a section is one protocol of the preset's LMs (their config without a layer's own: `report._kind`)
+LAYER_KEYS = LM_LAYER_KEYS
+
+#: what identifies a cell of the tables (with its seed): `one_per_seed`
+CELL = ["layer", "setting.length", "setting.n_iter"]
 
 # ---- leaderboard ------------------------------------------------------------------------------
 
@@ -63,6 +75,20 @@ def validity(df) -> list[str]:
                 out.append(f"{who} gets {100 * worst:.1f}% of the digits{f' in seed {s}' if several else ''}, "
                            "above twice chance (10%)")
     return out
+
+
+def withheld(df) -> tuple:
+    """(df without the rows of every processor whose controls fail on it, {processor: why}): a pooled
+    section asks the controls to hold on each processor that contributed rows (`validity` on that
+    processor's rows, `failing`)."""
+    gone = failing(df, validity)
+    return (df[~df["machine"].isin(gone)] if gone else df), gone
+
+
+def _read(df):
+    """The rows the accuracy tables, figures and notes read: those `withheld` keeps, one training per
+    cell and seed (`one_per_seed`)."""
+    return one_per_seed(withheld(with_seed(df))[0], CELL)
 
 
 def _ns(g):
@@ -110,14 +136,16 @@ def tables(df) -> dict:
     """Exact match (%, with its 95% interval: Wilson over the samples for one training seed,
     logit-t over the trainings for several; ▲/▼ against the baseline), digits right (%) and
     answer NLL by layer x (length, n-iter), each with the layer's seeds; throughput and peak
-    memory by layer x length. Every seed's row counts, none is picked. Where the controls fail
-    (`validity`, in any seed), the layer rows are withheld. Each row names its layer's write-rule
-    family (`with_family`)."""
+    memory by layer x length, a table per processor. Every seed's row counts, none is picked (a seed
+    trained on two processors, once). Where the controls fail (`validity`, in any seed), the layer
+    rows are withheld; in a section of several processors, those of the processor they fail on
+    (`withheld`). Each row names its layer's write-rule family (`with_family`)."""
     import pandas as pd
 
     if df.empty:
         return {}
-    df = with_seed(df).copy()
+    every, gone = withheld(with_seed(df))  # the throughput tables' rows: every training, each on its processor
+    df = one_per_seed(every, CELL).copy()
     df["col"] = [f"{_len_label(int(l))} x{int(n)}" for l, n in zip(df["setting.length"], df["setting.n_iter"])]
     cols = [
         f"{_len_label(l)} x{n}"
@@ -145,6 +173,9 @@ def tables(df) -> dict:
 
     over = "over samples" + ("; over trainings where seeds > 1" if several else "")
     title = f"NIAH exact-match accuracy (%) [95% interval {over}], length x n-iter"
+    if gone:
+        where = "; ".join(f"{m}: {'; '.join(bad)}" for m, bad in gone.items())
+        title += f" (withheld, the controls failing there: the rows measured on {where})"
     out = {f"HARNESS INVALID ({'; '.join(bad)}): layer rows withheld; {title}" if bad else title: keyed("exact", table(_cell))}
     if df.empty:
         return {title: with_family(t) for title, t in out.items()}
@@ -166,6 +197,19 @@ def tables(df) -> dict:
         t.insert(0, "seeds", [seeds[layer] for layer in order])
         over = "; [95% interval over trainings, within 0-∞] where seeds > 1" if several else ""
         out[f"NIAH answer NLL (nats per answer token; chance ln 10{over}), length x n-iter"] = t
+    shown = every[every["layer"].isin(order)]
+    per = list(shown.groupby("machine")) if "machine" in shown else [("", shown)]
+    for m, rows in per:
+        title = "NIAH throughput and memory" + (f" on {m}" if len(per) > 1 else "")
+        out[title + (" (tokens/s: the seeds' mean; peak RSS: their highest)" if several else "")] = _cost(rows, order)
+    return {title: with_family(t) for title, t in out.items()}
+
+
+def _cost(df, order: list[str]):
+    """Throughput and peak memory by layer x length, of rows measured on one processor (a timing
+    belongs to one): one row per length, its seeds' mean tokens/s and highest peak RSS."""
+    import pandas as pd
+
     one = df.sort_values("setting.n_iter").groupby(["layer", "setting.length", "seed"], as_index=False).first()
     per_len = one.groupby(["layer", "setting.length"], as_index=False).agg(
         seeds=("seed", "size"), samples=("metrics.n_samples", shared_count), tps=("metrics.tokens_per_s", "mean"),
@@ -179,9 +223,7 @@ def tables(df) -> dict:
         "peak RSS (GiB)": per_len["rss"].round(2),
     })
     cost["k"] = cost["layer"].map({n: i for i, n in enumerate(order)})
-    title = "NIAH throughput and memory" + (" (tokens/s: the seeds' mean; peak RSS: their highest)" if several else "")
-    out[title] = cost.sort_values(["k", "length"]).drop(columns="k").reset_index(drop=True)
-    return {title: with_family(t) for title, t in out.items()}
+    return cost.sort_values(["k", "length"]).drop(columns="k").reset_index(drop=True)
 
 
 def figures(df, out_dir: Path) -> list[Path]:
@@ -196,6 +238,7 @@ def figures(df, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     import seaborn as sns
 
+    df = _read(df)
     if validity(df):  # the layer rows are withheld, as in the tables
         df = df[df["layer"].isin(CONTROLS)]
     if df.empty:
@@ -260,7 +303,7 @@ def figures(df, out_dir: Path) -> list[Path]:
 def reading(df) -> list[str]:
     """The reading note's lines computed from the section's rows: the controls' results, the
     LMs' budget and how many training seeds the rows have."""
-    df = with_seed(df)
+    df = _read(df)
     out = []
     pos = df[(df["layer"] == POSITIVE) & (df["setting.n_iter"] == 1)]
     if "metrics.inside_training" in pos:
@@ -278,8 +321,9 @@ def reading(df) -> list[str]:
 
 
 def problems(df) -> list[str]:
-    """What makes the harness invalid in this section (empty: valid)."""
-    return validity(df)
+    """What makes the harness invalid in this section (empty: valid): the controls failing on every
+    processor that measured it (one failing processor's rows are withheld, `withheld`)."""
+    return validity(_read(df))
 
 
 def _short(text: str) -> str:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from memzoo.bench.common import BASELINE, CONTROLS, POSITIVE, mean_ci
+from memzoo.bench.common import BASELINE, CONTROLS, LM_LAYER_KEYS, POSITIVE, mean_ci
 from memzoo.bench.report.common import (
-    fewer_seeds, keyed, layer_order, lm_host, lm_lines, save_png, shared_count, versus, with_family, with_seed, with_texts,
+    failing, fewer_seeds, keyed, layer_order, lm_host, lm_lines, one_per_seed, save_png, shared_count, versus, with_family,
+    with_seed, with_texts,
 )
 from memzoo.bench.report.overview import Headline
 from memzoo.bench.schema import PPL_MODES as MODES
@@ -32,6 +33,16 @@ parameters. The findings behind the rows, with their history: docs/journal/ppl.m
 
 # ---- leaderboard ------------------------------------------------------------------------------
 
+#: a loss is the protocol's wherever it ran: a section pools the processors that measured one protocol
+#: (each row names its processor); the probe's control must hold on each (`withheld`), and the LMs'
+#: training time stays per processor
+POOLED = True
+
+#: a section is one protocol of the preset's LMs (their config without a layer's own: `report._kind`)
+LAYER_KEYS = LM_LAYER_KEYS
+
+#: what identifies a cell of the tables (with its seed): `one_per_seed`
+CELL = ["layer", "setting.corpus", "setting.mode"]
 
 MIN_PROBE_GAIN = 0.1  # nats/token: the positive control's probe gain must clear this with its whole interval
 
@@ -58,6 +69,21 @@ def validity(df) -> list[str]:
             out.append(f"the positive control's gain{f' in seed {r.seed}' if several else ''} is {r['metrics.gain']:+.3f} ± "
                        f"{r['metrics.gain_half']:.3f} nats/token, not clearly above {MIN_PROBE_GAIN}")
     return out
+
+
+def withheld(df) -> tuple:
+    """(df without the probe rows of every processor whose positive control fails the probe there,
+    {processor: why}): a pooled section asks the control to hold on each processor that contributed
+    probe rows (`validity` on that processor's rows, `failing`); the losses have no control to fail."""
+    probe = df["setting.corpus"] == "repeat"
+    gone = failing(df[probe], validity)
+    return (df[~(probe & df["machine"].isin(gone))] if gone else df), gone
+
+
+def _read(df):
+    """The rows the tables, figures and notes read: those `withheld` keeps, one training per cell and
+    seed (`one_per_seed`)."""
+    return one_per_seed(withheld(with_seed(df))[0], CELL)
 
 
 def _gain(m: float, half: float, ref: tuple[float, float] = (0.0, 0.0)) -> str:
@@ -113,11 +139,14 @@ def tables(df) -> dict:
     """Loss carried / reset and the gain (± its 95% interval) per corpus; perplexity; the
     repeated-passage probe; the carried loss by position in the document; the LMs. A layer's
     cell of several training seeds is their mean with a 95% t-interval over the trainings (a
-    cell of one, as recorded); every table says the layer's seeds, none picks one, and each row its
-    layer's write-rule family (`with_family`)."""
+    cell of one, as recorded); every table says the layer's seeds, none picks one (a seed trained on
+    two processors counts once), and each row its layer's write-rule family (`with_family`). In a
+    section of several processors, the LMs' training time is a column per processor and a processor
+    whose probe control fails has its probe rows withheld (`withheld`)."""
     import pandas as pd
 
-    df = with_seed(df)
+    every, gone = withheld(with_seed(df))  # the LMs' training time: every training, each on its processor
+    df = one_per_seed(every, CELL)
     probe = df[df["setting.corpus"] == "repeat"]
     df = df[df["setting.corpus"] != "repeat"]
     t = df.pivot_table(index="layer", columns=["setting.corpus", "setting.mode"], values="metrics.loss", aggfunc="mean")
@@ -166,6 +195,9 @@ def tables(df) -> dict:
         if bad:
             probe = probe[probe["layer"].isin(CONTROLS)]
             title = f"HARNESS INVALID ({'; '.join(bad)}): layer rows withheld; {title}"
+        if gone:
+            where = "; ".join(f"{m}: {'; '.join(why)}" for m, why in gone.items())
+            title += f" (withheld, the control failing there: the rows measured on {where})"
         order = layer_order(probe["layer"])
         by_layer = {layer: g.sort_values("seed") for layer, g in probe.groupby("layer")}
         mean = probe.groupby("layer")[["metrics.first_loss", "metrics.second_loss"]].mean().reindex(order).round(4)
@@ -205,10 +237,24 @@ def tables(df) -> dict:
     ).reindex(layer_order(first.index))
     lm = with_texts(lm, {(layer, "LM val loss"): text for layer, g in lms
                          if (text := _over_seeds(g["metrics.lm_val_loss"], len(g))) is not None})
+    lm = _train_time(lm, every[every["setting.corpus"] != "repeat"])
     over = "; where seeds > 1 the val loss is their mean ± its 95% interval, the rest their mean" if several else ""
     res[f"The LMs (one per layer and training seed, *seeds* of them; niah evaluates them too unless its preset gives "
         f"it LMs of its own, niah.lm{over})"] = lm
     return {title: with_family(t) for title, t in res.items()}
+
+
+def _train_time(lm, every):
+    """The LMs' table with its training time per processor (a timing belongs to one): where the
+    section pools several, a column "LM train s on P" for each (its seeds' mean), none mixed."""
+    if "machine" not in every or every["machine"].nunique() < 2:
+        return lm
+    at = lm.columns.get_loc("LM train s")
+    lm = lm.drop(columns="LM train s")
+    for i, (m, g) in enumerate(every.groupby("machine")):
+        per = g.groupby(["layer", "seed"])["metrics.lm_train_wall_s"].first().groupby(level="layer").mean().round(1)
+        lm.insert(at + i, f"LM train s on {m}", [per.get(layer, "") for layer in lm.index])
+    return lm
 
 
 def _edge(col: str) -> int:
@@ -225,6 +271,7 @@ def figures(df, out_dir: Path) -> list[Path]:
     import seaborn as sns
 
     paths = []
+    df = _read(df)
     df = df[df["setting.corpus"] != "repeat"]  # the probe is a table
     g = df[(df["setting.mode"] == "carry")]
     cols = [c for c in g.columns if c.startswith("metrics.gate_hist.")]
@@ -265,7 +312,7 @@ def figures(df, out_dir: Path) -> list[Path]:
 def reading(df) -> list[str]:
     """The reading note's lines computed from the section's rows: the positive control's probe,
     the LMs' budget and how many training seeds the rows have."""
-    df = with_seed(df)
+    df = _read(df)
     out = []
     pos = df[(df["layer"] == POSITIVE) & (df["setting.corpus"] == "repeat")]
     for _, r in pos.sort_values("seed").iterrows():
@@ -292,7 +339,7 @@ def problems(df) -> list[str] | None:
     """What makes the repeated-passage probe invalid (empty: valid); None where the section has
     no probe (its losses have no control with a known answer)."""
     probe = df[df["setting.corpus"] == "repeat"]
-    return None if probe.empty else validity(probe)
+    return None if probe.empty else validity(_read(probe))
 
 
 def _carried_gain(sec, t, layer) -> str:

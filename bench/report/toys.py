@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci
-from memzoo.bench.report.common import keyed, layer_order, save_png, with_family
+from memzoo.bench.report.common import failing, keyed, layer_order, save_png, with_family
 from memzoo.bench.report.overview import Headline
 from memzoo.bench.schema import TOYS_TASKS as TASKS
 from memzoo.bench.schema import RECALL_REACH, slice_order
@@ -183,18 +183,14 @@ def validity(df, task: str) -> list[str]:
 def withheld(df) -> tuple:
     """(df without the rows of every processor whose controls fail on it, {task: ["processor: why"]}):
     a pooled table (`POOLED`) asks the controls to be valid on each processor that contributed rows
-    (`validity` on that processor's rows) and withholds only that processor's rows when they are not.
-    With one processor, the section's own check (`validity`) decides, as before."""
-    if "machine" not in df or df["machine"].nunique() < 2:
-        return df, {}
+    (`validity` on that processor's rows, `failing`) and withholds only that processor's rows when they
+    are not. With one processor, the section's own check (`validity`) decides, as before."""
     keep, out = df.index == df.index, {}
-    for task in [t for t in TASKS if t in set(df["setting.task"])]:
+    for task in [t for t in TASKS if "setting.task" in df and t in set(df["setting.task"])]:
         d = df[df["setting.task"] == task]
-        for m, g in d.groupby("machine"):
-            bad = validity(g, task)
-            if bad:
-                keep &= ~df.index.isin(g.index)
-                out.setdefault(task, []).append(f"{m}: {'; '.join(bad)}")
+        for m, bad in failing(d, lambda g: validity(g, task)).items():
+            keep &= ~df.index.isin(d[d["machine"] == m].index)
+            out.setdefault(task, []).append(f"{m}: {'; '.join(bad)}")
     return df[keep], out
 
 
