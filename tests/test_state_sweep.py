@@ -79,6 +79,16 @@ def test_a_cell_recorded_under_a_reused_preset_counts_as_recorded(tmp_path):
     assert other.find("toys", "deltanet", {"task": "mqar"}, {"c": 2}, preset="recall") is None  # another config
 
 
+def test_a_sections_borrowed_presets_are_the_presets_it_reuses():
+    """The report reads rows alone, so it names the presets a section shows cells of (`BORROWS`); they are
+    each shipped preset's `toys.reuse`, whose cells its resumed runs skip."""
+    from memzoo.bench.common import preset_names
+
+    reuse = {name: tuple(s.reuse) for name in preset_names()
+             if (s := load_preset(name).settings("toys", toys.Settings)).reuse}
+    assert reuse == toys_report.BORROWS
+
+
 def test_the_sweep_sizes_every_memory_at_three_states_over_16x():
     """recall-state.yaml: every built-in layer with a per-sequence state (all but PKM, whose memory is
     slow weights) at its recall size and two smaller ones, spanning >= 16x in state numbers."""

@@ -15,9 +15,10 @@ NAME = "toys"
 #: cell wherever they ran (each names its processor); the controls must hold on each (`withheld`)
 POOLED = True
 
-#: the state sweep, and the preset whose cells are its top size (`toys.reuse`): its section shows them
+#: the state sweep, and the preset whose cells are its top size: its section shows them
 STATE, STATE_OF = "recall-state", "recall"
-BORROWS = {STATE: (STATE_OF,)}
+#: preset -> the presets whose cells its section shows: each shipped preset's `toys.reuse` (a test checks)
+BORROWS = {STATE: (STATE_OF,), "recall-state-10x": ("recall-10x-seeds",)}
 #: the figure the overview opens with (above its table): recall against state, the question it ranks by
 LEAD_FIGURES = ("toys_mqar_state",)
 
