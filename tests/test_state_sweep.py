@@ -149,6 +149,11 @@ def test_accuracy_rows_of_one_config_pool_across_processors_each_named():
     assert {"deltanet", "deltanet/hd8", "linear/h1hd4", POSITIVE} <= set(state)  # the reused preset's rows shown too
     pooled = latest(_controls("Intel Xeon") + _controls("AMD EPYC"), pooled=True)
     assert len([r for r in pooled if r["layer"] == POSITIVE]) == 6  # three seeds on each processor
+    from memzoo.bench.report import frame
+
+    table = next(t for title, t in toys_report.tables(frame(latest(rows, pooled=True))).items()
+                 if title.startswith("MQAR test accuracy"))
+    assert table.set_index("layer").loc[POSITIVE, "seeds"] == 3  # a seed trained on both processors counts once
     old = dict(_row(POSITIVE, 0, 0.2, "Intel Xeon", "recall", h="older", t="2026-11-01T00:00:00Z"))
     again = latest([old, *_controls("AMD EPYC")], pooled=True)
     assert [r["hardware"]["cpu"] for r in again if r["layer"] == POSITIVE] == ["AMD EPYC"] * 3  # another config: retired

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from memzoo.bench.common import BASELINE, CONTROLS, NEGATIVE, POSITIVE, logit_ci
-from memzoo.bench.report.common import failing, keyed, layer_order, save_png, with_family
+from memzoo.bench.report.common import failing, keyed, layer_order, one_per_seed, save_png, with_family
 from memzoo.bench.report.overview import Headline
 from memzoo.bench.schema import TOYS_TASKS as TASKS
 from memzoo.bench.schema import RECALL_REACH, slice_order
@@ -19,6 +19,8 @@ POOLED = True
 STATE, STATE_OF = "recall-state", "recall"
 #: preset -> the presets whose cells its section shows: each shipped preset's `toys.reuse` (a test checks)
 BORROWS = {STATE: (STATE_OF,), "recall-state-10x": ("recall-10x-seeds",)}
+#: what identifies a cell of the tables (with its seed): `one_per_seed`
+CELL = ["layer", "setting.task", "setting.d_model", "setting.route"]
 #: the figure the overview opens with (above its table): recall against state, the question it ranks by
 LEAD_FIGURES = ("toys_mqar_state",)
 
@@ -185,14 +187,15 @@ def withheld(df) -> tuple:
     """(df without the rows of every processor whose controls fail on it, {task: ["processor: why"]}):
     a pooled table (`POOLED`) asks the controls to be valid on each processor that contributed rows
     (`validity` on that processor's rows, `failing`) and withholds only that processor's rows when they
-    are not. With one processor, the section's own check (`validity`) decides, as before."""
+    are not. With one processor, the section's own check (`validity`) decides, as before. A seed trained
+    on two processors counts once (`one_per_seed`: the later training)."""
     keep, out = df.index == df.index, {}
     for task in [t for t in TASKS if "setting.task" in df and t in set(df["setting.task"])]:
         d = df[df["setting.task"] == task]
         for m, bad in failing(d, lambda g: validity(g, task)).items():
             keep &= ~df.index.isin(d[d["machine"] == m].index)
             out.setdefault(task, []).append(f"{m}: {'; '.join(bad)}")
-    return df[keep], out
+    return one_per_seed(df[keep], CELL), out
 
 
 def model_of(df) -> dict:
