@@ -74,7 +74,7 @@ def _bf16_gemms_in_fp32_pass():
         the same operands, cast to bf16. Batched products (bmm, baddbmm: chunked attention, the
         fast-weight reads and writes) stay in bf16: rewriting them too made no step faster
         (docs/journal/performance.md), and together with the
-        GatedDeltaNet mixer's bmm it made inductor save garbage for FwMLP's backward (two bf16
+        GDN mixer's bmm it made inductor save garbage for FwMLP's backward (two bf16
         copies of its per-sequence fast weights, saved for the backward of its chunked reads, held
         fp32-like bit patterns; gradients NaN from Ba's task's first step at 27 tokens; neither
         bmm nor baddbmm alone, nor any fusion or buffer-reuse setting, did it; not isolated

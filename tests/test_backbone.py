@@ -6,7 +6,7 @@ import torch
 from conftest import layer_options
 from memzoo.backbone import HybridLM, LayoutError, parse_layout
 from memzoo.backbone.attention import GatedAttention
-from memzoo.backbone.gdn import GatedDeltaNet
+from memzoo.backbone.gdn import GDNMixer
 from memzoo.config import ConfigError, ModelConfig, load_config
 
 TINY = dict(vocab_size=67, d_model=32, n_layers=4, ffn_dim=64, attn_heads=4, attn_kv_heads=2, attn_head_dim=8,
@@ -79,7 +79,67 @@ def _split_equal(mixer, x, a):
 @pytest.mark.parametrize("a", [1, 5, 8, 13])
 def test_gdn_mixer_streams(a):
     torch.manual_seed(0)
-    _split_equal(GatedDeltaNet(32, num_heads=2, head_dim=16, chunk_size=8), torch.randn(2, 21, 32), a)
+    _split_equal(GDNMixer(32, num_heads=2, head_dim=16, chunk_size=8), torch.randn(2, 21, 32), a)
+
+
+def test_gdn_mixer_is_gated_deltanets_equations():
+    """The mixer (the `gated_deltanet` layer with its query convolved) against the module docstring's
+    equations written here: causal depthwise conv1d + SiLU on q, k, v, L2-normalised q and k, β and the
+    Mamba-2 decay, fla's token-by-token gated delta rule (fla.ops.gated_delta_rule.naive), the per-head
+    RMSNorm gated by silu(W_g x), W_o; in fp64."""
+    import torch.nn.functional as F
+
+    naive = pytest.importorskip("fla.ops.gated_delta_rule.naive").naive_recurrent_gated_delta_rule
+    torch.manual_seed(0)
+    H, K = 2, 8
+    mix = GDNMixer(16, num_heads=H, head_dim=K, chunk_size=4).double()
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+
+    def short_conv(u, w):  # w taps first [4, C]: conv1d's depthwise weight is its transpose
+        return F.silu(F.conv1d(F.pad(u.transpose(1, 2), (3, 0)), w.t()[:, None], groups=u.shape[-1]).transpose(1, 2))
+
+    heads = lambda u: u.unflatten(-1, (H, K))  # noqa: E731
+    q = F.normalize(heads(short_conv(x @ mix.q_proj.weight.T, mix.q_conv)), dim=-1)
+    k = F.normalize(heads(short_conv(x @ mix.k_proj.weight.T, mix.k_conv)), dim=-1)
+    v = heads(short_conv(x @ mix.v_proj.weight.T, mix.v_conv))
+    beta = torch.sigmoid(x @ mix.b_proj.weight.T)
+    g = -mix.A_log.exp() * F.softplus(x @ mix.a_proj.weight.T + mix.dt_bias)
+    o, S = naive(q.float(), k.float(), v.float(), beta.float(), g.float(), scale=K ** -0.5, output_final_state=True)
+    o, S = o.double(), S.double()  # fla's reference computes in fp32
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + mix.eps) * mix.o_norm_weight * F.silu(heads(x @ mix.g_proj.weight.T))
+    y, cache = mix(x)
+    torch.testing.assert_close(y, o.flatten(-2) @ mix.o_proj.weight.T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache["S"], S, atol=1e-5, rtol=1e-5)
+
+
+def test_gdn_mixer_draws_its_weights_in_the_published_order():
+    """A seed builds the mixer the published hybrid backbones were trained from: torch's default
+    nn.Linear init of W_q, W_k, W_v, W_a, W_b, W_g, W_o, nn.Conv1d's of the q, k, v convolutions, then
+    A ~ U(1e-4, 16) and dt ~ logU(1e-3, 1e-1) (Mamba-2's init), in this order, and the generator is
+    left where those draws leave it. A state dict of the mixer before it was the layer (ShortConv
+    modules: `q_conv.weight`) loads."""
+    import math
+
+    torch.manual_seed(0)
+    d, H, K = 16, 2, 8
+    lins = [torch.nn.Linear(d, n, bias=False).weight for n in (H * K, H * K, H * K, H, H, H * K)]
+    lins.append(torch.nn.Linear(H * K, d, bias=False).weight)
+    convs = [torch.nn.Conv1d(H * K, H * K, 4, groups=H * K, bias=False).weight[:, 0].t() for _ in range(3)]
+    A = torch.empty(H).uniform_(1e-4, 16.0)
+    dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    mix = GDNMixer(d, num_heads=H, head_dim=K)
+    got = [getattr(mix, f"{n}_proj").weight for n in "qkvabgo"]
+    assert all(torch.equal(a, b) for a, b in zip(got, lins))
+    assert all(torch.equal(getattr(mix, f"{n}_conv"), w) for n, w in zip("qkv", convs))
+    torch.testing.assert_close(mix.A_log.exp(), A)
+    torch.testing.assert_close(torch.nn.functional.softplus(mix.dt_bias), dt)
+    assert torch.equal(torch.rand(3), after)
+    old = {k.replace("_conv", "_conv.weight") if k.endswith("_conv") else k: v * 2 for k, v in mix.state_dict().items()}
+    other = GDNMixer(d, num_heads=H, head_dim=K)
+    other.load_state_dict(old)
+    assert torch.equal(other.q_conv, 2 * mix.q_conv) and torch.equal(other.o_proj.weight, 2 * mix.o_proj.weight)
 
 
 @pytest.mark.parametrize("window", [None, 6])

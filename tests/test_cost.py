@@ -66,7 +66,7 @@ def test_dense_part_equals_a_hand_count():
         model = HybridLM(mc)
     lin = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     head = model.embed.weight.numel()
-    conv = sum(m.weight.numel() for n, m in model.named_modules() if n.endswith("_conv"))
+    conv = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_conv"))
     f = step_flops(mc, B, T)
     assert f.dense == 6 * B * T * (lin + head + conv)
     assert f.attention == 0 and f.table2 == 6 * B * T * table2_params(model)

@@ -48,7 +48,7 @@ from transformers.utils import ModelOutput
 from memzoo.backbone.attention import GatedAttention
 from memzoo.backbone.ffn import SwiGLU
 from memzoo.modules.norm import RMSNorm
-from memzoo.backbone.gdn import GatedDeltaNet
+from memzoo.backbone.gdn import GDNMixer
 from memzoo.layout import parse_layout
 from memzoo.config import ModelConfig
 from memzoo.layers.base import SITES, MemoryLayer
@@ -89,7 +89,7 @@ def build_mixer(kind: str, c: ModelConfig) -> nn.Module:
     if kind == "NONE":
         return NoMixer()
     if kind == "GDN":
-        return GatedDeltaNet(c.d_model, c.gdn_heads, c.gdn_head_dim, c.gdn_conv, c.gdn_chunk, c.norm_eps)
+        return GDNMixer(c.d_model, c.gdn_heads, c.gdn_head_dim, c.gdn_conv, c.gdn_chunk, c.norm_eps)
     window = {"FA": None, "SWA": c.window, "FA-pSWA": c.window}[kind]
     p = c.p_window if kind == "FA-pSWA" else 1.0
     return GatedAttention(

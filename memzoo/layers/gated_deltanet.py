@@ -1,7 +1,7 @@
 """Gated DeltaNet (Yang, Kautz & Hatamizadeh 2025, "Gated Delta Networks: Improving Mamba2 with
-Delta Rule", arXiv 2412.06464) as a memory layer: the backbone's GDN mixer
-(memzoo/backbone/gdn.py), placed where a memory goes, so that it can sit behind the recall
-preset's local backbone like every other memory.
+Delta Rule", arXiv 2412.06464) as a memory layer, placed where a memory goes, so that it can sit
+behind the recall preset's local backbone like every other memory. The backbone's GDN mixer
+(memzoo/backbone/gdn.py) is this class used as a token mixer (its query convolved too).
 
 The delta rule of DeltaNet with a data-dependent decay α_t ∈ (0, 1) per head (Eq. 10, [K, V] layout):
 
@@ -18,6 +18,8 @@ since the decay is a scalar.) The recurrence is :mod:`memzoo.ops.gated_delta_rul
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torch import Tensor, nn
 
 from memzoo.layers._delta import linear
@@ -32,6 +34,8 @@ from memzoo.registration import register_layer
 @register_layer("gated_deltanet")
 class GatedDeltaNet(DeltaNet):
     """Gated DeltaNet as a memory layer; see the module docstring. Args as DeltaNet's."""
+
+    backend: ClassVar[str] = "auto"  # the op's dispatch (memzoo/ops/dispatch.py); the backbone's mixer compiles
 
     def __init__(self, d_model: int, num_heads: int = 4, head_dim: int | None = None, expand_v: float = 1.0,
                  conv_size: int = 4, allow_neg_eigval: bool = False, norm_eps: float = 1e-5):
@@ -52,7 +56,7 @@ class GatedDeltaNet(DeltaNet):
         k, v = self.keys_values(x, state, new)
         o, new["S"] = gated_delta_rule(k if q is None else q, k, v, self.log_decay(x), self.beta(x), scale=self.scale,
                                        initial_state=state["S"], output_final_state=True,
-                                       chunk_size=self.parallel_chunk)
+                                       chunk_size=self.parallel_chunk, backend=self.backend)
         return (None if q is None else o), new
 
     no_pairs = None  # the pairs adapter: neutral β = 1 and no decay (g = 0, α = 1): DeltaNet's delta rule
@@ -73,5 +77,6 @@ class GatedDeltaNet(DeltaNet):
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
         """y = W_o (RMSNorm(o) ⊙ silu(W_g x)) per head."""
-        gate = self.heads(self.g_proj(x).to(o.dtype), self.head_v_dim)
-        return self.o_proj(gated_rms_norm(o, gate, self.o_norm_weight, self.eps).flatten(-2).to(x.dtype))
+        dt = self.cdtype()
+        gate = self.heads(self.g_proj(x).to(dt), self.head_v_dim)
+        return self.o_proj(gated_rms_norm(o.to(dt), gate, self.o_norm_weight, self.eps).flatten(-2).to(x.dtype))

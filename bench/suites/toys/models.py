@@ -72,7 +72,7 @@ def state_size(model: HybridLM, seq_len: int) -> dict:
     """Recurrent state of one sequence, in numbers (call after a forward so every memory has
     its state): GDN matrices, memory fast weights, attention's keys and values at `seq_len` (a
     sliding window's: the last `window` tokens' at most)."""
-    gdn = sum(b.mixer.h * b.mixer.d * b.mixer.d for b in model.blocks if b.kind == "GDN")
+    gdn = sum(b.mixer.num_heads * b.mixer.head_dim * b.mixer.head_v_dim for b in model.blocks if b.kind == "GDN")
     kv = sum(2 * b.mixer.hkv * b.mixer.d * (min(seq_len, b.mixer.window) if b.kind == "SWA" else seq_len)
              for b in model.blocks if b.kind in ("FA", "SWA", "FA-pSWA"))
     mems = model.memories()
