@@ -435,7 +435,7 @@ def _print_end(rec: Recorder, names: list[str], todo: list[str], resume: bool, s
     failed = [r for r in rec.rows if r["suite"] == "failed"]
     print(f"\nmemzoo bench: {len(rec.rows) - len(failed)} rows in {seconds:.0f} s -> {rec.path}\n")
     shown = _with_recorded(rec, names, todo) if resume else rec.rows
-    print_tables(shown)
+    print_tables(shown, rec.preset)
     print_notes(shown, published_beside(rec.path), todo)
     if not failed:
         print_closing(shown, names, rec.preset)
@@ -446,11 +446,16 @@ def _print_end(rec: Recorder, names: list[str], todo: list[str], resume: bool, s
 
 def _with_recorded(rec: Recorder, names: list[str], suites: list[str]) -> list[dict]:
     """The rows of a resumed run's preset, suites and layers (variants such as fwpkm/shared, and
-    the controls with the baseline), recorded earlier or now: the comparison the run completes,
-    not only its last cells (the tables keep the latest row per setting and seed)."""
+    the controls with the baseline), recorded earlier or now, with those of the presets its sections
+    borrow (the cells it reuses: recall-state's top sizes and controls are the recall preset's): the
+    comparison the run completes, not only its last cells (the tables keep the latest row per
+    setting and seed)."""
     from memzoo.bench.common import CONTROLS, read_results
+    from memzoo.bench.report import borrowed
 
     def ours(layer: str) -> bool:
         return layer in names or layer.split("/")[0] in names or (layer in CONTROLS and BASELINE in names)
 
-    return [r for r in read_results(rec.path) if r["preset"] == rec.preset and r["suite"] in suites and ours(r["layer"])]
+    rows = read_results(rec.path)
+    lent = [r for s in suites for r in borrowed(s, rec.preset, rows)]
+    return [r for r in [*(r for r in rows if r["preset"] == rec.preset), *lent] if r["suite"] in suites and ours(r["layer"])]

@@ -114,6 +114,24 @@ def test_a_resumed_run_prints_the_whole_comparison(tmp_path):
         BASELINE, "ctrl:attention", "fwpkm/shared"]
 
 
+def test_a_resumed_run_shows_the_cells_its_preset_borrows_inside_its_own_section(tmp_path):
+    """recall-state's top sizes and controls are the recall preset's cells (toys.reuse): a resumed run
+    of it counts them (else its closing line called the harness invalid for want of controls), and
+    shows them in its own section, not as a recall section of their own."""
+    from memzoo.bench.report import _groups
+    from memzoo.bench.run import _with_recorded
+
+    old = Recorder(tmp_path, "recall", 0, run_id="old")
+    for layer in (BASELINE, "ctrl:attention", "ctrl:none", "deltanet", "mom"):
+        old.add("toys", layer, {"task": "mqar"}, {"accuracy": 0.5}, {"m": layer}, 0.1)
+    new = Recorder(tmp_path, "recall-state", 0, run_id="new")
+    new.add("toys", "deltanet/hd8", {"task": "mqar"}, {"accuracy": 0.2}, {"m": "deltanet/hd8"}, 0.1)
+    shown = _with_recorded(new, [BASELINE, "deltanet"], ["toys"])
+    assert sorted(r["layer"] for r in shown) == sorted([BASELINE, "ctrl:attention", "ctrl:none", "deltanet", "deltanet/hd8"])
+    sections = [(name, preset, sorted(df["layer"])) for name, preset, _, df in _groups(shown, only="recall-state")]
+    assert sections == [("toys", "recall-state", sorted(r["layer"] for r in shown))]
+
+
 def test_ppl_protocol(micro, tmp_path):
     """The baseline has no memory: carried and reset evaluation agree exactly. FwPKM's carried
     memory changes the loss, and evaluation leaves the trained memory as it was."""

@@ -84,17 +84,18 @@ def frame(rows: list[dict]):
                                **({"host": h} if (h := lm_host(r)) else {})} for r in rows])
 
 
-def _groups(rows: list[dict], with_rows: bool = False):
+def _groups(rows: list[dict], with_rows: bool = False, only: str | None = None):
     """(suite, preset, module, DataFrame) for every table section, in the suites' order (and the
     rows themselves, with `with_rows`). A section is one suite and preset on one machine model and
     one protocol version (rows of others become a section of their own, named by `section_name`,
     never mixed into one table), with that machine's latest row of each measurement. A section is
     shown whole while any of its measurements is the latest of all, and is gone once every one was
     measured again later on another machine or protocol: its controls and baseline stay beside its
-    rows (a layer measured again elsewhere, with more seeds, does not leave a table without them)."""
+    rows (a layer measured again elsewhere, with more seeds, does not leave a table without them).
+    `only`: the sections of that preset alone (the rows of presets it borrows from shown inside them)."""
     for name in NAMES:
         pooled = pooled_suite(name)
-        for preset in sorted({r["preset"] for r in rows if r["suite"] == name}):
+        for preset in sorted({r["preset"] for r in rows if r["suite"] == name and only in (None, r["preset"])}):
             sub = [r for r in rows if r["suite"] == name and r["preset"] == preset]
             sub += borrowed(name, preset, rows)
             for key in _shown(sub, pooled):
@@ -357,10 +358,10 @@ def _runs_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def print_tables(rows: list[dict]) -> None:
-    """The tables of `rows`, as `memzoo bench` prints them at the end of a run, each section's
-    reading lines (stops, noisy timings, ...) under its tables."""
-    for name, preset, mod, df in _groups(rows):
+def print_tables(rows: list[dict], preset: str | None = None) -> None:
+    """The tables of `rows` (of `preset`'s sections alone, if given), as `memzoo bench` prints them at the
+    end of a run, each section's reading lines (stops, noisy timings, ...) under its tables."""
+    for name, preset, mod, df in _groups(rows, only=preset):
         for title, table in mod.tables(df).items():
             print(f"### {name} ({preset}): {title}\n")
             print(markdown(table))
@@ -374,7 +375,7 @@ def print_closing(rows: list[dict], layers: list[str], preset: str, published_pr
     full tables are, and (for a run with toys rows of named layers) the command that measures the same
     layers at the published budget."""
     said = []
-    for name, _, mod, df in _groups(rows):
+    for name, _, mod, df in _groups(rows, only=preset):
         if (fn := getattr(mod, "summary", None)) and (line := fn(df)):
             said.append(line)
     print(f"What this run showed ({preset} preset): " + ("; ".join(said) if said else "no rows") + ".")
