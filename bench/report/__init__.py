@@ -358,10 +358,10 @@ def _runs_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def print_tables(rows: list[dict], preset: str | None = None) -> None:
-    """The tables of `rows` (of `preset`'s sections alone, if given), as `memzoo bench` prints them at the
-    end of a run, each section's reading lines (stops, noisy timings, ...) under its tables."""
-    for name, preset, mod, df in _groups(rows, only=preset):
+def print_tables(rows: list[dict], only: str | None = None) -> None:
+    """The tables of `rows` (of preset `only`'s sections alone, if given), as `memzoo bench` prints them at
+    the end of a run, each section's reading lines (stops, noisy timings, ...) under its tables."""
+    for name, preset, mod, df in _groups(rows, only=only):
         for title, table in mod.tables(df).items():
             print(f"### {name} ({preset}): {title}\n")
             print(markdown(table))
