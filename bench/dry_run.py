@@ -87,7 +87,7 @@ def print_plan(ctx, queued: list, device: str, jobs: int | None) -> None:
         total_s += steps * sec
         if (name, width) not in states:
             mc = toys.cell_key(ctx, s, name, task, width, seed)[0]
-            states[name, width] = toys.state_numbers(mc, toys.TASK_TYPES[task].mean_length(s))
+            states[name, width] = toys.state_numbers(mc, toys.TASK_TYPES[task].seq_len_of(s))
         what = f"toys {name} {task} d={width} seed {seed}"
         print(f"{what:52s} {lrs:>4d} {'recorded' if done else f'{steps:,}':>17s} "
               f"{'' if done else _minutes(steps * sec):>10s} {states[name, width]:>8,}")

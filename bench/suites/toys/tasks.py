@@ -70,6 +70,11 @@ class MQAR(Task):
         return sum(n * s.batch_of(n) for n in lengths) / len(lengths) / s.batch_size
 
     @staticmethod
+    def seq_len_of(s: Settings) -> int:
+        """The longest sequence (a sequence's state is counted at it)."""
+        return max(sl[0] for sl in s.mqar_slices) if s.mqar_slices else s.mqar_seq_len
+
+    @staticmethod
     def data(s: Settings) -> dict:
         if s.mqar_slices:  # several lengths: the slices and their batches replace seq_len and kv
             return {"vocab": s.mqar_vocab, "slices": [list(sl) for sl in s.mqar_slices], "power_a": s.power_a,
@@ -90,7 +95,7 @@ class MQAR(Task):
         several = bool(s.mqar_slices)
         self.slices = [tuple(sl) for sl in s.mqar_slices] if several else list(s.mqar_kv)
         self.lengths = sorted({sl[0] for sl in self.slices}) if several else [None]
-        self.seq_len = max(self.lengths) if several else s.mqar_seq_len
+        self.seq_len = self.seq_len_of(s)
         self.chance = 2 / s.mqar_vocab
         super().__init__(s)
 
@@ -124,12 +129,17 @@ class AssocRetrieval(Task):
         return sum(2 * n + 3 for n in s.ar_pairs) / len(s.ar_pairs)
 
     @staticmethod
+    def seq_len_of(s: Settings) -> int:
+        """The longest sequence: the most pairs, the two separators and the query (`ar.make_batch`)."""
+        return 2 * max(s.ar_pairs) + 3
+
+    @staticmethod
     def data(s: Settings) -> dict:
         return {"pairs": s.ar_pairs}
 
     def __init__(self, s: Settings):
         self.slices, self.lengths = list(s.ar_pairs), [None]
-        self.seq_len = 2 * max(self.slices) + 3
+        self.seq_len = self.seq_len_of(s)
         self.chance = 1 / 10
         super().__init__(s)
 
