@@ -5,7 +5,7 @@ import torch
 
 from conftest import layer_options
 from memzoo.backbone import HybridLM, LayoutError, parse_layout
-from memzoo.backbone.attention import GatedAttention
+from memzoo.backbone.attention import GatedAttention, local_attention
 from memzoo.backbone.gdn import GDNMixer
 from memzoo.config import ConfigError, ModelConfig, load_config
 
@@ -259,6 +259,32 @@ def test_swa_is_local_and_fa_is_not():
     x2[:, 0] += 1.0  # perturb token 0: outside the window of the last query
     assert torch.allclose(swa(x)[0][:, -1], swa(x2)[0][:, -1])
     assert not torch.allclose(fa(x)[0][:, -1], fa(x2)[0][:, -1])
+
+
+def _windowed_softmax_attention(q, k, v, window):
+    """The definition, one query at a time: softmax over the keys t-w < s <= t of its k/v head."""
+    B, H, T, D = q.shape
+    kv = k.shape[1]
+    out = torch.zeros_like(q)
+    for h in range(H):
+        kh, vh = k[:, h // (H // kv)], v[:, h // (H // kv)]
+        for t in range(T):
+            lo = max(0, t - window + 1)
+            p = torch.softmax(q[:, h, t, None] @ kh[:, lo : t + 1].transpose(-1, -2) / D**0.5, -1)
+            out[:, h, t] = (p @ vh[:, lo : t + 1])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("T, window, H, kv", [(12, 4, 4, 2), (13, 4, 4, 2), (9, 1, 2, 2), (11, 10, 4, 1), (5, 3, 6, 3)])
+def test_local_attention_is_windowed_softmax_attention(T, window, H, kv):
+    """The block-local form (O(T·w)) against the definition, outputs and gradients, with T not a
+    multiple of the window, one key per query, a window just short of T and grouped k/v heads."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, T, 8, dtype=torch.float64, requires_grad=True) for h in (H, kv, kv))
+    got, want = local_attention(q, k, v, window), _windowed_softmax_attention(q, k, v, window)
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g))
 
 
 def test_pswa_draws_only_in_training():

@@ -15,6 +15,10 @@ probability p (0.9 in the paper), full attention otherwise; evaluation is always
 
 Streaming: `forward(x, cache)` continues from `cache` (past keys/values after RoPE and
 the position offset) and returns the new cache; SWA keeps only the last w-1 keys.
+
+A window shorter than the sequence is computed block-locally (`local_attention`): queries in
+blocks of w, each reading its own block and the one before, O(T·w) rather than the masked
+O(T²) of a full score matrix (the memory-only LMs' 4-token windows cost 3x their model otherwise).
 """
 
 from __future__ import annotations
@@ -36,6 +40,29 @@ def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     rot = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rot * sin).to(x.dtype)
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    """Causal softmax attention in which a query at t sees the keys t-w < s <= t, for q [B, H, T, D]
+    and k, v [B, Hkv, T, D] (query head h reads k/v head h // (H/Hkv)); the same as the masked
+    `scaled_dot_product_attention` at O(T·w). Queries are cut in blocks of w; block n's keys are
+    blocks n-1 and n (2w keys, a view of k padded by one block of zeros in front), masked to the window."""
+    B, H, T, D = q.shape
+    hkv, w = k.shape[1], window
+    g, nb = H // hkv, -(-T // w)
+    pad = nb * w - T
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    kb = F.pad(k, (0, 0, w, 0)).unfold(2, 2 * w, w).transpose(-1, -2)  # [B, Hkv, nb, 2w, D]
+    vb = F.pad(v, (0, 0, w, 0)).unfold(2, 2 * w, w).transpose(-1, -2)
+    qb = q.view(B, hkv, g, nb, w, D).permute(0, 1, 3, 2, 4, 5).reshape(B, hkv, nb, g * w, D)
+    s = qb @ kb.transpose(-1, -2)  # [B, Hkv, nb, g·w, 2w]
+    s = s.to(torch.promote_types(s.dtype, torch.float32)) * D**-0.5  # the softmax in fp32 at least
+    i = torch.arange(w, device=q.device).repeat(g)[:, None]  # the query's place in its block
+    j = torch.arange(-w, w, device=q.device)[None, :]  # the key's place, relative to the block's start
+    first = torch.arange(nb, device=q.device)[:, None, None] * w + j < 0  # block 0's padding
+    s = s.masked_fill((j > i) | (i - j >= w) | first, float("-inf"))
+    o = s.softmax(-1).to(vb.dtype) @ vb
+    return o.view(B, hkv, nb, g, w, D).permute(0, 1, 3, 2, 4, 5).reshape(B, H, nb * w, D)[:, :, :T]
 
 
 class GatedAttention(nn.Module):
@@ -99,7 +126,9 @@ class GatedAttention(nn.Module):
         L = k.shape[2]
         if L == T and (window is None or window >= T):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
+        elif L == T:
+            o = local_attention(q, k, v, window)
+        else:  # continuing a cache (streaming, generation): few queries, a masked score matrix
             qpos = pos[:, None]
             kpos = torch.arange(past + T - L, past + T, device=x.device)[None, :]
             mask = kpos <= qpos
