@@ -91,3 +91,15 @@ def test_pairs_gives_each_layer_its_bench_size_held_per_1k_state():
     sec = _with_headline(_section("pairs", "pairs", {"Pairs held": t}, rows))
     (col,) = sec.headline
     assert sec.headline[col] == {"deltanet": (("t",), "6.58 (16.0 of 2,432 numbers)")}
+
+
+def test_toys_behind_a_gdn_take_the_standard_section_with_the_most_seeds_at_each_layers_widest_model():
+    def sec(preset, seeds, means, time="2026-01-01"):
+        mqar = keyed("mqar", pd.DataFrame({"layer": ["mom", "mom"], "d_model": [256, 128], "mean": means}))
+        return _with_headline(_section("toys", preset, {"MQAR": mqar}, _rows(seeds, time)))
+
+    col = "toys behind a GDN: MQAR accuracy"
+    ov = overview([sec("standard", 3, ["0.9", "0.5"]), sec("standard", 1, ["0.1", "0.2"], "2026-02-01"),
+                   sec("tiny", 3, ["0.3", "0.4"])])
+    assert ov.table.set_index("layer").loc["mom", col] == "0.9" and ov.links[("mom", col)] == "toys-standard"
+    assert "toys behind a GDN: Ba's AR accuracy" not in ov.table  # no AR table, no column

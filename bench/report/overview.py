@@ -26,11 +26,13 @@ recall-preset size with its 95% interval (▲/▼: wholly above / below the base
 left chance, their stops (a capped or at-chance cell is a statement about that budget), and the
 smallest state (memory numbers per sequence) at which its seeds' mean reached the level named. *pairs*:
 what the layer's write rule holds without training at its bench size (random keys, neutral gates): the
-pairs recalled at 0.9 per 1,000 state numbers (the draws' mean, and of how many numbers). *NIAH*: exact match (%)
+pairs recalled at 0.9 per 1,000 state numbers (the draws' mean, and of how many numbers). *toys behind a
+GDN*: the standard preset's MQAR and Ba's retrieval with the memory beside a GDN backbone (the second
+view: what the memory adds to a model that recalls already), the seeds' mean test accuracy. *NIAH*: exact match (%)
 after one memorization pass, by haystack length. *PPL*: what carried fast weights are worth in nats
 per token (reset − carry) on the first corpus, and the repeated-passage probe's gain (first reading −
 second), with their intervals. *cost*: training tokens/s over the baseline's, timed in the same
-section, and the parameters. Cells of the NIAH, PPL and cost columns come from the section with the
+section, and the parameters. Cells of the toys-behind-a-GDN, NIAH, PPL and cost columns come from the section with the
 most seeds (cost: the most layers), a preset other than the tiny one where both exist. An empty
 cell: not measured (or withheld by its section's harness check)."""
 
@@ -117,6 +119,7 @@ def overview(secs: list) -> Overview:
 #: an LM, what does it cost
 COLUMN_ORDER = ("recall: MQAR accuracy", "recall: seeds, stops, budget", f"recall: smallest state at {RECALL_REACH:g}",
                 f"pairs: held at {PAIRS_HELD_AT:g} per 1k state (no training)",
+                "toys behind a GDN: MQAR accuracy", "toys behind a GDN: Ba's AR accuracy",
                 "NIAH: exact match % by length",
                 "PPL: carried-state gain (nats)", "PPL: re-reading gain (nats)", "cost: training tokens/s × baseline's")
 

@@ -675,6 +675,18 @@ def _cap(sec) -> str:
     return _count(max(caps, default=max(r["metrics"].get("sequences", 0) for r in mqar)))
 
 
+HYBRID = "standard"  # the preset of the toys behind a GDN (the second view), whose headline the overview shows
+_WHY_HYBRID = "the published toys behind a GDN: the section with the most seeds, then the latest"
+
+
+def _hybrid(task: str, name: str) -> Headline:
+    """The overview's column of `task` behind a GDN: each layer's seeds' mean at its widest model."""
+    def cell(sec, t, layer):
+        return t[t["layer"] == layer].sort_values("d_model")["mean"].iloc[-1]
+    return Headline(column=f"toys behind a GDN: {name}", table=task, value="mean", rank=("seeds", "time"),
+                    preset=HYBRID, why=_WHY_HYBRID, layers=lambda sec, t: list(dict.fromkeys(t["layer"])), text=cell)
+
+
 _WHY = "one preset, one budget for every layer: the state sweep alone (its top sizes are the recall preset's cells)"
 _SMALLEST = f"smallest state at {RECALL_REACH:g}"
 HEADLINES = (
@@ -688,6 +700,8 @@ HEADLINES = (
     Headline(column=f"recall: {_SMALLEST}", table="state", value=_SMALLEST, rank=(), preset=STATE, why=_WHY,
              layers=lambda sec, t: list(t["layer"]),
              text=lambda sec, t, layer: t.set_index("layer").loc[layer, _SMALLEST]),
+    _hybrid("mqar", "MQAR accuracy"),
+    _hybrid("ar", "Ba's AR accuracy"),
 )
 
 
