@@ -126,12 +126,12 @@ class AssocRetrieval(Task):
 
     @staticmethod
     def mean_length(s: Settings) -> float:
-        return sum(2 * n + 3 for n in s.ar_pairs) / len(s.ar_pairs)
+        return sum(ar.seq_len(n) for n in s.ar_pairs) / len(s.ar_pairs)
 
     @staticmethod
     def seq_len_of(s: Settings) -> int:
-        """The longest sequence: the most pairs, the two separators and the query (`ar.make_batch`)."""
-        return 2 * max(s.ar_pairs) + 3
+        """The longest sequence (the most pairs)."""
+        return ar.seq_len(max(s.ar_pairs))
 
     @staticmethod
     def data(s: Settings) -> dict:
