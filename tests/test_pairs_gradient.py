@@ -165,18 +165,19 @@ def _ttt_expected(L, k, v, kq):
 def _titans_expected(L, k, v, kq):
     """Titans (Behrouz, Zhong & Mirrokni 2025, arXiv 2501.00663, Eq. 12-13 with η_t = 0, α_t = 0, chunked as
     Eq. 16-18): per head, M ← M − θ Σ_{t∈chunk} ∇‖M(k_t) − v_t‖² at the chunk's first M, θ = max_lr / d; the
-    read M(k) = silu(k W1) W2."""
+    read M(k) = k + LN(silu(k W1) W2) (the head's LN weights)."""
     theta = L.max_lr / L.head_dim
-    mem = lambda u, M: F.silu(u @ M["W1"]) @ M["W2"]  # noqa: E731
-
-    def step(M, kc, vc):
-        M = _leaf(M)
-        gr = _grad((mem(kc, M) - vc).pow(2).sum(), M)
-        return {n: (M[n] - theta * gr[n]).detach() for n in M}
-
     out = torch.empty(B, kq.shape[1], L.num_heads, L.head_dim, dtype=k.dtype)
-    for b in range(B):
-        for h in range(L.num_heads):
+    for h in range(L.num_heads):
+        w, b_ = L.ln_weight[h].detach(), L.ln_bias[h].detach()
+        mem = lambda u, M: u + F.layer_norm(F.silu(u @ M["W1"]) @ M["W2"], (L.head_dim,), eps=L.eps) * w + b_  # noqa: E731
+
+        def step(M, kc, vc):
+            M = _leaf(M)
+            gr = _grad((mem(kc, M) - vc).pow(2).sum(), M)
+            return {n: (M[n] - theta * gr[n]).detach() for n in M}
+
+        for b in range(B):
             M = _chunked_gd({"W1": L.W1_0[h].detach(), "W2": L.W2_0[h].detach()}, k[b, :, h], v[b, :, h], step)
             out[b, :, h] = mem(kq[b, :, h], M)
     return out

@@ -12,14 +12,19 @@ keys to values, with the gradient as "surprise" and momentum (Eq. 11-14):
     y_t = W_o (RMSNorm(M*(q_t)) ⊙ σ(W_g x_t))       read without update (Eq. 15), then Sec. 4.4's
                                                     normalisation and gate before the projection
 
-M(x) = silu(x W1) W2 (bias-free, hidden `expansion` × d; the paper gives L_M ≥ 2 layers and no width:
-lucidrains/titans-pytorch's MemoryMLP, depth 2 and expansion 4, decides; SiLU as the paper's other
-non-linearities), W1, W2 of every sequence start from learned slow weights. θ_t = max_lr · σ(w_θ·x_t + b_θ) / d,
-η_t = σ(w_η·x_t + b_η), α_t = σ(w_α·x_t + b_α), per token and head ("data-dependent", end of Sec. 3.2;
+M(x) = x + LN(silu(x W1) W2) (bias-free, hidden `expansion` × d; the paper gives L_M ≥ 2 layers and
+neither width nor normalisation: lucidrains/titans-pytorch decides, its MemoryMLP of depth 2 and expansion 4
+inside its default ResidualNorm, the MLP's output layer-normed plus the input, as TTT's inner model and
+fla's Titans have it; SiLU as the paper's other non-linearities). W1, W2 of every sequence start from learned
+slow weights; the LN's affine weights are slow, per head (TTT's). Without the LN and the residual the inner
+loop diverged on text: a chunk's keys are alike there, so its summed gradients add up, and the memory grew
+without bound within a sequence in the first outer steps at any outer lr (docs/journal/ppl.md, 2026-12-07).
+θ_t = max_lr · σ(w_θ·x_t + b_θ) / d, η_t = σ(w_η·x_t + b_η), α_t = σ(w_α·x_t + b_α), per token and head
+("data-dependent", end of Sec. 3.2;
 the paper gives no init: η starts near 0.9, α near 0.02, θ at max_lr / 2d). The 1/d is lucidrains'
 (its loss averages the squared error over the d features, Eq. 12 sums them): with the sum and no 1/d the
 inner loop diverged on the first batch of the recall preset at every outer lr (the momentum multiplies
-a step by up to 1/(1 − η) = 10, against a curvature of 2‖silu(k W1)‖², ~1 at init). The ceiling max_lr / d
+a step by up to 1/(1 − η) = 10, against the loss's curvature, ~1 at init). The ceiling max_lr / d
 grows as heads shrink: with small heads the inner loop can leave its stable range and the memory overflow
 within a sequence (docs/journal/toys.md, 2026-12-07 later: head_dim 4).
 
@@ -42,7 +47,7 @@ from torch import Tensor, nn
 from memzoo.layers.base import MemoryLayer, State, head_size, state_precision
 from memzoo.modules.norm import rms_norm
 from memzoo.modules.precision import compute_dtype
-from memzoo.ops.inner_loop import mlp_backward, mlp_forward
+from memzoo.ops.inner_loop import layer_norm, layer_norm_backward, mlp_backward, mlp_forward
 from memzoo.modules.conv import causal_conv_stream, conv_weights
 from memzoo.registration import register_layer
 
@@ -50,16 +55,22 @@ FAST = ("W1", "W2")
 
 
 # ---- the memory's math, pure functions --------------------------------------------------------
-def memory_read(q: Tensor, M: dict) -> Tensor:
-    """M(q) = silu(q W1) W2: q [B, H, L, d] -> [B, H, L, d]."""
-    return mlp_forward(q, M["W1"], None, M["W2"], None, "silu")[0]
+def memory_read(q: Tensor, M: dict, ln: tuple) -> Tensor:
+    """M(q) = q + LN(silu(q W1) W2): q [B, H, L, d] -> [B, H, L, d]; ln = (weight, bias, eps) of the LN."""
+    return q + layer_norm(mlp_forward(q, M["W1"], None, M["W2"], None, "silu")[0], *ln)[0]
 
 
-def surprise(k: Tensor, v: Tensor, M: dict) -> dict:
-    """∇ℓ(M; x_t) of ℓ = ‖M(k_t) − v_t‖² for every token t, all at M: W1 [B, H, L, d, h], W2 [B, H, L, h, d]."""
+def _loss_grads(k: Tensor, v: Tensor, M: dict, ln: tuple) -> tuple[Tensor, Tensor, Tensor]:
+    """For ℓ_t = ‖M(k_t) − v_t‖² at M, every token: (∂ℓ/∂z1, ∂ℓ/∂y, h), z1 = k W1, h = silu(z1), y = h W2."""
     y, z1, h = mlp_forward(k, M["W1"], None, M["W2"], None, "silu")
-    dy = 2 * (y - v)
-    dz1 = mlp_backward(dy, z1, M["W2"], "silu")
+    out, zhat, rstd = layer_norm(y, *ln)
+    dy = layer_norm_backward(2 * (k + out - v), zhat, rstd, ln[0])
+    return mlp_backward(dy, z1, M["W2"], "silu"), dy, h
+
+
+def surprise(k: Tensor, v: Tensor, M: dict, ln: tuple) -> dict:
+    """∇ℓ(M; x_t) of ℓ = ‖M(k_t) − v_t‖² for every token t, all at M: W1 [B, H, L, d, h], W2 [B, H, L, h, d]."""
+    dz1, dy, h = _loss_grads(k, v, M, ln)
     return {"W1": k[..., :, None] * dz1[..., None, :], "W2": h[..., :, None] * dy[..., None, :]}
 
 
@@ -75,7 +86,8 @@ def decay_products(g: Tensor) -> Tensor:
     return P.transpose(-1, -2).masked_fill(after, 0)  # [.., t, j]; above the diagonal (j > t): 0
 
 
-def write_chunk(k: Tensor, v: Tensor, theta: Tensor, eta: Tensor, alpha: Tensor, M: dict, S: dict) -> tuple[dict, dict]:
+def write_chunk(k: Tensor, v: Tensor, theta: Tensor, eta: Tensor, alpha: Tensor, M: dict, S: dict,
+                ln: tuple) -> tuple[dict, dict]:
     """One chunk of L tokens (gates [B, H, L]): the gradients u_t at M (the chunk's start M_0, S_0), then
     S_t = η_t S_{t−1} − θ_t u_t and M_t = (1 − α_t) M_{t−1} + S_t, t = 1..L. Returns (M_L, S_L).
 
@@ -88,9 +100,7 @@ def write_chunk(k: Tensor, v: Tensor, theta: Tensor, eta: Tensor, alpha: Tensor,
 
     and, u_j being an outer product (k_j ⊗ ∂ℓ_j/∂z1 for W1, h_j ⊗ ∂ℓ_j/∂y for W2), each Σ_j w_j u_j is
     one matmul, kᵀ (w ⊙ ∂ℓ/∂z1): no per-token gradient is formed. The token loop is the tests' reference."""
-    y, z1, h = mlp_forward(k, M["W1"], None, M["W2"], None, "silu")
-    dy = 2 * (y - v)
-    dz1 = mlp_backward(dy, z1, M["W2"], "silu")
+    dz1, dy, h = _loss_grads(k, v, M, ln)
     a = decay_products(eta)  # [.., t, j]
     f = decay_products(1 - alpha)[..., -1, :]  # [.., t]: ∏_{t<i≤L} (1 − α_i)
     A = eta[..., :1] * a[..., :, 0]  # [.., t]: ∏_{i≤t} η_i
@@ -118,7 +128,7 @@ class Titans(MemoryLayer):
         expansion: the memory MLP's hidden size is expansion × d (4).
         max_lr: θ_t's ceiling is max_lr / d (1.0).
         conv_size: short-convolution width on k and v (0 or 1 = none).
-        norm_eps: eps of the output RMSNorm.
+        norm_eps: eps of the memory's LayerNorm and the output RMSNorm.
     """
 
     family = "regression"
@@ -151,6 +161,8 @@ class Titans(MemoryLayer):
             self.v_conv = nn.Parameter(conv_weights(H * d, conv_size))
         self.W1_0 = nn.Parameter(nn.init.xavier_uniform_(torch.empty(H, d, expansion * d)))
         self.W2_0 = nn.Parameter(nn.init.xavier_uniform_(torch.empty(H, expansion * d, d)))
+        self.ln_weight = nn.Parameter(torch.ones(H, 1, d))  # the memory's LayerNorm (slow, per head)
+        self.ln_bias = nn.Parameter(torch.zeros(H, 1, d))
         self.g_proj = nn.Linear(d_model, H * d, bias=False)
         self.o_norm_weight = nn.Parameter(torch.ones(d))
         self.o_proj = nn.Linear(H * d, d_model, bias=False)
@@ -172,6 +184,10 @@ class Titans(MemoryLayer):
                 st[n] = torch.zeros(batch_size, self.conv_size - 1, self.num_heads * self.head_dim, dtype=sd, device=dev)
         return st
 
+    def _ln(self) -> tuple[Tensor, Tensor, float]:
+        sd = self._sdtype()
+        return self.ln_weight.to(sd), self.ln_bias.to(sd), self.eps
+
     # ---- projections -----------------------------------------------------------------------------
     def _heads(self, u: Tensor) -> Tensor:  # [B, T, H·d] -> [B, H, T, d]
         return u.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
@@ -187,7 +203,7 @@ class Titans(MemoryLayer):
         sd = self._sdtype()
         q = F.normalize(F.silu(self._heads(self.q_proj(x).to(sd))), dim=-1)
         with state_precision(x.device):
-            o = memory_read(q, {n: state[n] for n in FAST})
+            o = memory_read(q, {n: state[n] for n in FAST}, self._ln())
         o = rms_norm(o, self.o_norm_weight, self.eps)
         o = o * torch.sigmoid(self._heads(self.g_proj(x).to(o.dtype)))
         return self.o_proj(o.transpose(1, 2).flatten(-2).to(x.dtype))
@@ -211,9 +227,10 @@ class Titans(MemoryLayer):
         M, S = {n: state[n] for n in FAST}, {n: state[f"S{n}"] for n in FAST}
         C = self.chunk_size
         with state_precision(k.device):
+            ln = self._ln()
             for s in range(0, k.shape[-2], C):
                 c = slice(s, s + C)
-                M, S = write_chunk(k[..., c, :], v[..., c, :], theta[..., c], eta[..., c], alpha[..., c], M, S)
+                M, S = write_chunk(k[..., c, :], v[..., c, :], theta[..., c], eta[..., c], alpha[..., c], M, S, ln)
         return {**M, **{f"S{n}": S[n] for n in FAST}}
 
     def write_state(self, x: Tensor, state: State) -> State:
@@ -255,10 +272,10 @@ class Titans(MemoryLayer):
         self.load_state({**state, **self._write(k, v, theta, eta, alpha, state)})
 
     def read_keys(self, k: Tensor) -> Tensor:
-        """M(k) = silu(k W1) W2 per head [B, n, H, d] (the read before its norm and gate); the state unchanged."""
+        """M(k) = k + LN(silu(k W1) W2) per head [B, n, H, d] (the read before its norm and gate); the state unchanged."""
         state = self.state
         with state_precision(k.device):
-            return memory_read(k.to(self._sdtype()).transpose(1, 2), {n: state[n] for n in FAST}).transpose(1, 2)
+            return memory_read(k.to(self._sdtype()).transpose(1, 2), {n: state[n] for n in FAST}, self._ln()).transpose(1, 2)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
