@@ -16,9 +16,10 @@ probability p (0.9 in the paper), full attention otherwise; evaluation is always
 Streaming: `forward(x, cache)` continues from `cache` (past keys/values after RoPE and
 the position offset) and returns the new cache; SWA keeps only the last w-1 keys.
 
-A window shorter than the sequence is computed block-locally (`local_attention`): queries in
-blocks of w, each reading its own block and the one before, O(T·w) rather than the masked
-O(T²) of a full score matrix (the memory-only LMs' 4-token windows cost 3x their model otherwise).
+A window shorter than the sequence is computed block-locally off CUDA (`local_attention`): queries
+in blocks of w, each reading its own block and the one before, O(T·w) rather than the masked O(T²)
+of a full score matrix (the memory-only LMs' 4-token windows cost 3x their model otherwise). On CUDA
+the masked fused kernels stay: they hold no score matrix, where the block-local one holds T·2w scores.
 """
 
 from __future__ import annotations
@@ -126,9 +127,9 @@ class GatedAttention(nn.Module):
         L = k.shape[2]
         if L == T and (window is None or window >= T):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        elif L == T:
+        elif L == T and q.device.type != "cuda":  # on CUDA the fused masked kernels hold no score matrix
             o = local_attention(q, k, v, window)
-        else:  # continuing a cache (streaming, generation): few queries, a masked score matrix
+        else:  # a cache continued (streaming, generation), or CUDA: the masked kernels
             qpos = pos[:, None]
             kpos = torch.arange(past + T - L, past + T, device=x.device)[None, :]
             mask = kpos <= qpos
