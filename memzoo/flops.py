@@ -241,8 +241,8 @@ class _AttentionStandIn(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _count_attention(model: torch.nn.Module, tally: list):
-    """While counting: each GatedAttention call appends its exact cost to `tally`, and SDPA is
-    the cost-free stand-in. The window a call uses is the one its module picked (`_window_now`,
+    """While counting: each GatedAttention call appends its exact cost to `tally`, and SDPA (and the
+    block-local windows, `local_attention`) is the cost-free stand-in. The window a call uses is the one its module picked (`_window_now`,
     so FA-pSWA's random choice per call is honoured)."""
     from memzoo.backbone.attention import GatedAttention
 
@@ -256,19 +256,24 @@ def _count_attention(model: torch.nn.Module, tally: list):
 
             mod._window_now = window_now
             patched.append(mod)
-    real = F.scaled_dot_product_attention
+    import memzoo.backbone.attention as attention
 
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    real, real_local = F.scaled_dot_product_attention, attention.local_attention
+
+    def counted(q, k, v, window):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         tally.append(attention_flops(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
-                                     current.get("window"), backward=grad))
+                                     window, backward=grad))
         return _AttentionStandIn.apply(q, k, v)
 
-    F.scaled_dot_product_attention = sdpa
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return counted(q, k, v, current.get("window"))
+
+    F.scaled_dot_product_attention, attention.local_attention = sdpa, counted  # the block-local windows too
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = real
+        F.scaled_dot_product_attention, attention.local_attention = real, real_local
         for mod in patched:
             del mod._window_now
 

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import yaml
 
 from memzoo.layout import parse_layout
+import memzoo.backbone.attention as attention
+from memzoo.backbone.attention import local_attention
 from memzoo.backbone.model import HybridLM
 from memzoo.bench.report import cost as cost_report
 from memzoo.config import ModelConfig, load_config
@@ -157,7 +159,7 @@ def test_memory_layers_count_on_meta_and_leave_nothing_patched():
     f = step_flops(mc, 2, 16)
     assert f.sparse > 2 * 16 * mc.d_model and f.contractions > 0 and f.attention > 0
     assert f.total > f.table2
-    assert F.scaled_dot_product_attention is sdpa
+    assert F.scaled_dot_product_attention is sdpa and attention.local_attention is local_attention
     with pytest.raises(NotImplementedError):
         torch.bincount(torch.zeros(3, dtype=torch.long, device="meta"))
 
