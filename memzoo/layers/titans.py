@@ -16,9 +16,8 @@ M(x) = x + LN(silu(x W1) W2) (bias-free, hidden `expansion` × d; the paper give
 neither width nor normalisation: lucidrains/titans-pytorch decides, its MemoryMLP of depth 2 and expansion 4
 inside its default ResidualNorm, the MLP's output layer-normed plus the input, as TTT's inner model and
 fla's Titans have it; SiLU as the paper's other non-linearities). W1, W2 of every sequence start from learned
-slow weights; the LN's affine weights are slow, per head (TTT's). Without the LN and the residual the inner
-loop diverged on text: a chunk's keys are alike there, so its summed gradients add up, and the memory grew
-without bound within a sequence in the first outer steps, at outer lrs of 5e-4 and less (docs/journal/ppl.md, 2026-12-07).
+slow weights; the LN's affine weights are slow, per head (TTT's). Why the LN and the residual: without them
+the inner loop diverged on text (docs/journal/ppl.md, "Titans' inner loop diverged on text").
 θ_t = max_lr · σ(w_θ·x_t + b_θ) / d, η_t = σ(w_η·x_t + b_η), α_t = σ(w_α·x_t + b_α), per token and head
 ("data-dependent", end of Sec. 3.2;
 the paper gives no init: η starts near 0.9, α near 0.02, θ at max_lr / 2d). The 1/d is lucidrains'
