@@ -242,7 +242,8 @@ class _AttentionStandIn(torch.autograd.Function):
 @contextlib.contextmanager
 def _count_attention(model: torch.nn.Module, tally: list):
     """While counting: each GatedAttention call appends its exact cost to `tally`, and SDPA (and the
-    block-local windows, `local_attention`) is the cost-free stand-in. The window a call uses is the one its module picked (`_window_now`,
+    block-local windows, `local_attention`) is the cost-free stand-in. The window a call uses is the one
+    its module picked (`_window_now`,
     so FA-pSWA's random choice per call is honoured)."""
     from memzoo.backbone.attention import GatedAttention
 

@@ -18,7 +18,7 @@ the position offset) and returns the new cache; SWA keeps only the last w-1 keys
 
 A window shorter than the sequence is computed block-locally off CUDA (`local_attention`): queries
 in blocks of w, each reading its own block and the one before, O(T·w) rather than the masked O(T²)
-of a full score matrix (the memory-only LMs' 4-token windows cost 3x their model otherwise). On CUDA
+of a full score matrix (why: docs/journal/performance.md, "the memory-only LMs' 4-token windows"). On CUDA
 the masked fused kernels stay: they hold no score matrix, where the block-local one holds T·2w scores.
 """
 
